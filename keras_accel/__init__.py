@@ -1,0 +1,7 @@
+"""keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow."""
+
+from keras_accel.utils.devices import configure_virtual_cpu_devices
+
+__version__ = "0.1.0"
+
+__all__ = ["configure_virtual_cpu_devices", "__version__"]

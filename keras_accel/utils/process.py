@@ -1,0 +1,62 @@
+"""Which process am I? Process facts usable without an Accelerator (Accelerate's PartialState idea).
+
+Files (checkpoints, histories, logs) are written by the chief process only; every writer in
+keras_accel asks `is_chief()` here, so one rule decides for the whole package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _tf_config_task() -> tuple[str, int, dict] | None:
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON. Received: TF_CONFIG={raw!r}") from e
+    task = config.get("task") or {}
+    return str(task.get("type", "worker")), int(task.get("index", 0)), config.get("cluster", {})
+
+
+def _backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def num_processes() -> int:
+    """Number of cooperating training processes (1 for a single-process run)."""
+    if _backend() == "jax":
+        import jax
+
+        return jax.process_count()
+    task = _tf_config_task()
+    if task is None:
+        return 1
+    _, _, cluster = task
+    return sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) or 1
+
+
+def process_index() -> int:
+    """Index of this process among `num_processes()`; 0 is the chief."""
+    if _backend() == "jax":
+        import jax
+
+        return jax.process_index()
+    task = _tf_config_task()
+    if task is None:
+        return 0
+    kind, index, cluster = task
+    if kind == "chief":
+        return 0
+    # Workers come after the chief when the cluster names one.
+    return index + (1 if cluster.get("chief") else 0)
+
+
+def is_chief() -> bool:
+    """True in the one process that writes files."""
+    return process_index() == 0

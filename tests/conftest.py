@@ -1,0 +1,51 @@
+"""Test set-up: pick the backend, split the CPU into 8 logical devices, guard the environment."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+from keras_accel.utils.devices import configure_virtual_cpu_devices  # noqa: E402
+
+NUM_DEVICES = int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8"))
+configure_virtual_cpu_devices(NUM_DEVICES)
+
+BACKEND = keras.backend.backend()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_env():
+    """Fail a test that leaves environment variables changed (Lightning's guard)."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)
+        pytest.fail(f"test leaked environment variables: {sorted(changed)}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Each test starts from a clean Keras session: no global distribution, float32 policy."""
+    yield
+    from keras import distribution
+
+    if BACKEND == "jax":
+        distribution.set_distribution(None)
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def num_devices():
+    return NUM_DEVICES
+
+
+@pytest.fixture
+def backend():
+    return BACKEND
