@@ -1,7 +1,11 @@
-"""keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow."""
+"""keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow.
 
+The public API is this short list; everything else is internal.
+"""
+
+from keras_accel.adapter import STRATEGIES, Accelerator
 from keras_accel.utils.devices import configure_virtual_cpu_devices
 
 __version__ = "0.1.0"
 
-__all__ = ["configure_virtual_cpu_devices", "__version__"]
+__all__ = ["STRATEGIES", "Accelerator", "configure_virtual_cpu_devices", "__version__"]

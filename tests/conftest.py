@@ -23,6 +23,7 @@ def _no_leaked_env():
     yield
     after = dict(os.environ)
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    changed.discard("PYTEST_CURRENT_TEST")  # pytest's own bookkeeping
     if changed:
         os.environ.clear()
         os.environ.update(before)

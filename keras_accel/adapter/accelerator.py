@@ -1,0 +1,511 @@
+"""`Accelerator`: one Keras script, mapped onto JAX device meshes or tf.distribute strategies."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_accel.adapter import backends
+from keras_accel.adapter.batchnorm import patch_batchnorm
+from keras_accel.adapter.steps import RecompileGuard, instrument, mask_unweighted_metrics
+from keras_accel.adapter.strategies import check_strategy_name, resolve
+from keras_accel.data import sources
+from keras_accel.data.batching import REMAINDER_POLICIES
+from keras_accel.utils import process
+from keras_accel.utils.seed import set_random_seed
+
+MIXED_PRECISION = {
+    None: None,
+    "float32": "float32",
+    "bfloat16": "mixed_bfloat16",
+    "mixed_bfloat16": "mixed_bfloat16",
+    "float16": "mixed_float16",
+    "mixed_float16": "mixed_float16",
+}
+
+DEFAULT_BATCH_SIZE = 32  # Keras's own default for array inputs.
+
+
+class Accelerator:
+    """Runs a Keras model on every device there is, with one script for JAX and TensorFlow.
+
+    The Accelerator picks (or is told) a strategy, builds the backend's distribution for it
+    (`keras.distribution.DataParallel`/`ModelParallel` on JAX, a `tf.distribute` strategy on
+    TensorFlow), and feeds `model.fit`, `evaluate` and `predict` batches of one static shape:
+    the last, partial batch is padded with rows of sample weight 0, so nothing crashes on
+    uneven batches, nothing recompiles, and padding never counts in losses, metrics or
+    BatchNormalization statistics.
+
+    Args:
+        strategy: a name from `keras_accel.STRATEGIES`: "auto" (default), "single",
+            "data_parallel", "mirrored", "model_parallel" (JAX), "tpu".
+        devices: None for every device of the chosen platform, an int for the first N, or a
+            list of device names such as ["cpu:0", "cpu:1"].
+        mesh_shape: (data, model) sizes for "model_parallel".
+        mixed_precision: None, "bfloat16" or "float16": the Keras dtype policy of models
+            built inside `scope()`.
+        seed: seeds Python, NumPy and the backend, so every process starts from the same
+            weights and shuffles the same way.
+        layout_map: a `keras.distribution.LayoutMap` for "model_parallel" (JAX); by default
+            Dense kernels are sharded over the "model" axis.
+        remainder: what training does with the last, partial batch: "pad" (default; padded
+            with zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch).
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from keras_accel import Accelerator
+        >>> acc = Accelerator(seed=0)
+        >>> with acc.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> x, y = np.ones((10, 4), "float32"), np.zeros((10, 2), "float32")
+        >>> history = acc.fit(model, x, y, batch_size=8, epochs=1, verbose=0)
+        >>> acc.predict(model, x, verbose=0).shape
+        (10, 2)
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        devices: int | list[str] | None = None,
+        mesh_shape: tuple[int, int] | None = None,
+        mixed_precision: str | None = None,
+        seed: int | None = None,
+        layout_map: Any = None,
+        remainder: str = "pad",
+    ):
+        check_strategy_name(strategy)
+        if mixed_precision not in MIXED_PRECISION:
+            valid = [k for k in MIXED_PRECISION if k]
+            raise ValueError(
+                f"Unknown mixed_precision. Received: mixed_precision={mixed_precision!r}. "
+                f"Valid values: None, {', '.join(repr(v) for v in valid)}."
+            )
+        if remainder not in REMAINDER_POLICIES:
+            raise ValueError(
+                f"`remainder` must be one of {REMAINDER_POLICIES}. "
+                f"Received: remainder={remainder!r}"
+            )
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"`seed` must be an int or None. Received: seed={seed!r}")
+        self._backend = keras.backend.backend()
+        self._module = backends.load(self._backend)
+        if self._backend == "torch":
+            if strategy not in ("auto", "single"):
+                warnings.warn(
+                    f"keras_accel: distribution is not supported on the torch backend; "
+                    f"strategy={strategy!r} runs on a single device.",
+                    stacklevel=2,
+                )
+            strategy = "single"
+        if self._backend == "tensorflow":
+            inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
+        else:
+            inventory = self._module.inventory()
+        self._plan = resolve(strategy, inventory, devices=devices, mesh_shape=mesh_shape)
+        self._runtime = self._module.build(self._plan, layout_map)
+        self._policy = MIXED_PRECISION[mixed_precision]
+        self.seed = seed
+        self.remainder = remainder
+        self.guard = RecompileGuard()
+        if seed is not None:
+            set_random_seed(seed)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def backend(self) -> str:
+        """The Keras backend: "jax", "tensorflow" or "torch"."""
+        return self._backend
+
+    @property
+    def strategy_name(self) -> str:
+        """The resolved strategy ("auto" is never shown: it says what it picked)."""
+        return self._plan.strategy
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices in use, e.g. ["cpu:0", ..., "cpu:7"]."""
+        return list(self._plan.devices)
+
+    @property
+    def num_replicas(self) -> int:
+        """How many copies of the model each global batch is split over."""
+        return self._runtime.num_replicas
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        return self._plan.mesh_shape
+
+    @property
+    def num_processes(self) -> int:
+        return process.num_processes()
+
+    @property
+    def process_index(self) -> int:
+        return process.process_index()
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the one process that writes files."""
+        return process.is_chief()
+
+    @property
+    def distribution(self):
+        """The backend object: a `keras.distribution.Distribution`, a `tf.distribute.Strategy`,
+        or None for a single device."""
+        return self._runtime.native
+
+    @property
+    def num_recompiles(self) -> int:
+        """New compilations (step traces) after warm-up; 0 is what static batching promises."""
+        return self.guard.num_recompiles
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(backend={self.backend!r}, strategy={self.strategy_name!r}, "
+            f"devices={len(self.devices)} x {self._plan.platform}, "
+            f"num_replicas={self.num_replicas}, num_processes={self.num_processes}, "
+            f"process_index={self.process_index}, is_chief={self.is_chief})"
+        )
+
+    # ------------------------------------------------------------------ scope
+    @contextlib.contextmanager
+    def scope(self):
+        """Build and compile models in here: variables are laid out over the devices, and
+        the mixed-precision policy applies to layers created inside."""
+        previous = keras.config.dtype_policy()
+        if self._policy is not None:
+            keras.config.set_dtype_policy(self._policy)
+        try:
+            with self._runtime.scope():
+                yield self
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+    # ------------------------------------------------------------------ batch sizes
+    def global_batch_size(self, per_replica: int) -> int:
+        """Rows per step over all replicas for `per_replica` rows on each replica."""
+        _check_positive_int(per_replica, "per_replica")
+        return per_replica * self.num_replicas
+
+    def per_replica_batch_size(self, global_batch: int) -> int:
+        """Rows each replica computes per step when a step takes `global_batch` rows."""
+        _check_positive_int(global_batch, "global_batch")
+        if global_batch % self.num_replicas:
+            low = max(global_batch // self.num_replicas, 1) * self.num_replicas
+            raise ValueError(
+                f"global_batch={global_batch} does not split evenly over "
+                f"{self.num_replicas} replicas. Use {low} or {low + self.num_replicas}."
+            )
+        return global_batch // self.num_replicas
+
+    # ------------------------------------------------------------------ data
+    def dataset(
+        self,
+        x: Any,
+        y: Any = None,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        sample_weight: Any = None,
+        class_weight: dict | None = None,
+        training: bool = True,
+        remainder: str | None = None,
+    ):
+        """Static-shape batches that `model.fit` (or `evaluate`, `predict`) accepts directly.
+
+        Args:
+            x, y, sample_weight, class_weight: as in `model.fit`. `x` may also be a
+                `keras.utils.PyDataset` or a `tf.data.Dataset` (batched, yielding x,
+                (x, y) or (x, y, sample_weight)); then `batch_size` must be None.
+            batch_size: global rows per step (default 32 for arrays). Rounded up to a
+                multiple of the replica count by padding when it does not split evenly.
+            shuffle: reshuffle rows every epoch (arrays only).
+            training: True weights padded batches for training (the loss is the mean over
+                real rows); False weights every row so that evaluation is exact.
+            remainder: overrides the Accelerator's training remainder policy.
+
+        Returns:
+            A `keras.utils.PyDataset` or a `tf.data.Dataset` of `(x, y, sample_weight)`
+            batches, or `(x,)` when there are no targets.
+        """
+        batches = self._batches(
+            x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder
+        )
+        if isinstance(batches, _Wrapped):
+            return batches.dataset
+        return self._runtime.wrap(batches)
+
+    def _batches(self, x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder):
+        remainder = self.remainder if remainder is None else remainder
+        if not training:
+            remainder = "pad"  # Evaluation and prediction must see every row.
+        streaming = sources.is_py_dataset(x) or sources.is_tf_dataset(x)
+        if streaming:
+            extra = {
+                "y": y,
+                "batch_size": batch_size,
+                "sample_weight": sample_weight,
+                "class_weight": class_weight,
+            }
+            given = [name for name, value in extra.items() if value is not None]
+            if given:
+                raise ValueError(
+                    f"With a {type(x).__name__} input, pass targets and weights inside the "
+                    f"data set and leave the batching to it. Received also: {', '.join(given)}."
+                )
+        if sources.is_tf_dataset(x):
+            from keras_accel.data import tfdata
+
+            return _Wrapped(
+                tfdata.static_batches(
+                    x, num_replicas=self.num_replicas, remainder=remainder, training=training
+                )
+            )
+        if sources.is_py_dataset(x):
+            batches = sources.PyDatasetBatches(
+                x, num_replicas=self.num_replicas, remainder=remainder, training=training
+            )
+        else:
+            if x is None:
+                raise ValueError(f"`x` is required. Supported inputs: {sources.SUPPORTED_INPUTS}.")
+            batches = sources.ArrayBatches(
+                x,
+                y,
+                sample_weight,
+                batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+                num_replicas=self.num_replicas,
+                shuffle=shuffle,
+                remainder=remainder,
+                training=training,
+                seed=self.seed,
+                class_weight=class_weight,
+            )
+            if y is None and training and _pads(batches):
+                raise ValueError(
+                    "Without targets (y=None) padding rows cannot be weighted out of the loss, "
+                    f"but {batches.num_samples} samples in batches of {batches.plan.batch_size} "
+                    f"over {self.num_replicas} replicas need padding. Pass y, or use a "
+                    "batch_size that is a multiple of the replica count with remainder='drop'."
+                )
+        _warn_if_indivisible(batches.plan.batch_size, batches.static_rows, self.num_replicas)
+        return batches
+
+    # ------------------------------------------------------------------ model
+    def prepare(self, model: keras.Model) -> keras.Model:
+        """Check that `model` was built in `scope()` and install the static-batch machinery:
+        the recompile guard and BatchNormalization statistics over real rows, synchronized
+        across replicas. `fit`, `evaluate` and `predict` call this; it is idempotent."""
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
+        self._runtime.check_model(model)
+        instrument(model, self.guard)
+        mask_unweighted_metrics(model)
+        patch_batchnorm(model, self._runtime.all_reduce_sum)
+        return model
+
+    def fit(
+        self,
+        model: keras.Model,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: Any = "auto",
+        callbacks: list | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        class_weight: dict | None = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int = 1,
+    ):
+        """`model.fit` on every device, with static batches. Same arguments and return value
+        (a `keras.callbacks.History`) as Keras."""
+        self.prepare(model)
+        if validation_split:
+            if validation_data is not None:
+                raise ValueError(
+                    "Pass either validation_split or validation_data, not both. Received: "
+                    f"validation_split={validation_split} and validation_data."
+                )
+            (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
+        train = self._batches(x, y, batch_size, shuffle, sample_weight, class_weight, True, None)
+        val = None
+        if validation_data is not None:
+            vx, vy, vsw = _unpack(validation_data)
+            vbatch = (validation_batch_size or batch_size) if _is_array(vx) else None
+            val = self._batches(vx, vy, vbatch, False, vsw, None, False, None)
+        warmup = _WarmupCallback(self.guard)
+        with self.scope():
+            return model.fit(
+                self._wrap(train),
+                epochs=epochs,
+                verbose=verbose,
+                # Rows are shuffled per epoch by our batches; Keras must keep their order.
+                shuffle=False,
+                callbacks=[warmup, *(callbacks or [])],
+                validation_data=None if val is None else self._wrap(val),
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps,
+                validation_freq=validation_freq,
+            )
+
+    def evaluate(
+        self,
+        model: keras.Model,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: list | None = None,
+        return_dict: bool = False,
+    ):
+        """`model.evaluate` on every device. The loss and every metric equal the unpadded
+        single-device result: padding rows carry weight 0, real rows a uniform weight."""
+        self.prepare(model)
+        batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None)
+        with self.scope():
+            result = model.evaluate(
+                self._wrap(batches),
+                verbose=verbose,
+                steps=steps,
+                callbacks=callbacks,
+                return_dict=return_dict,
+            )
+        self.guard.mark_warm("test")
+        return result
+
+    def predict(
+        self,
+        model: keras.Model,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: Any = "auto",
+        steps: int | None = None,
+        callbacks: list | None = None,
+    ):
+        """`model.predict` on every device: exactly one output row per input row, in order."""
+        self.prepare(model)
+        batches = self._batches(x, None, batch_size, False, None, None, False, None)
+        with self.scope():
+            outputs = model.predict(
+                self._wrap(batches), verbose=verbose, steps=steps, callbacks=callbacks
+            )
+        self.guard.mark_warm("predict")
+        keep = _real_rows(batches)
+        return keras.tree.map_structure(lambda a: a[keep], outputs)
+
+    def _wrap(self, batches):
+        return batches.dataset if isinstance(batches, _Wrapped) else self._runtime.wrap(batches)
+
+
+class _Wrapped:
+    """Batches that arrive already in the form `model.fit` takes (tf.data inputs)."""
+
+    def __init__(self, static):
+        self.static = static
+        self.dataset = static.dataset
+        self.plan = static.plan
+        self.static_rows = static.plan.static_rows
+        self.num_samples = static.plan.num_samples
+
+    def rows_per_batch(self):
+        return self.static.rows_per_batch()
+
+
+class _WarmupCallback(keras.callbacks.Callback):
+    """Ends the recompile guard's warm-up after the first epoch (and its validation)."""
+
+    def __init__(self, guard: RecompileGuard):
+        super().__init__()
+        self.guard = guard
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.guard.mark_warm("train")
+        if logs and any(key.startswith("val_") for key in logs):
+            self.guard.mark_warm("test")
+
+
+def _real_rows(batches) -> slice | np.ndarray:
+    """Positions of real rows in the concatenated padded outputs."""
+    if hasattr(batches, "rows_per_batch"):
+        rows = batches.rows_per_batch()
+    else:
+        plan = batches.plan
+        rows = [plan.rows_in_batch(i) for i in range(len(batches))]
+    static = batches.static_rows
+    if all(r == static for r in rows[:-1]):
+        return slice(0, sum(rows))
+    return np.concatenate([np.arange(i * static, i * static + r) for i, r in enumerate(rows)])
+
+
+def _pads(batches) -> bool:
+    plan = batches.plan
+    return plan.static_rows != plan.batch_size or (
+        plan.remainder == "pad" and plan.num_samples % plan.batch_size != 0
+    )
+
+
+def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -> None:
+    if static_rows != batch_size:
+        warnings.warn(
+            f"keras_accel: batch_size={batch_size} does not split over {num_replicas} "
+            f"replicas; every batch is padded to {static_rows} rows "
+            f"({(static_rows - batch_size) / static_rows:.0%} of the compute is padding). "
+            f"Use a multiple of {num_replicas} to avoid it.",
+            stacklevel=3,
+        )
+
+
+def _check_positive_int(value, name: str) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def _is_array(value) -> bool:
+    return not (sources.is_py_dataset(value) or sources.is_tf_dataset(value))
+
+
+def _unpack(data):
+    if isinstance(data, (tuple, list)):
+        if len(data) not in (2, 3):
+            raise ValueError(
+                "validation_data must be (x, y), (x, y, sample_weight) or a data set. "
+                f"Received a tuple of {len(data)} elements."
+            )
+        return (*data, None) if len(data) == 2 else tuple(data)
+    return data, None, None
+
+
+def _split(x, y, sample_weight, fraction: float):
+    if not _is_array(x):
+        raise ValueError(
+            "validation_split works on arrays only (as in Keras). Received x of type "
+            f"{type(x).__name__}; pass validation_data instead."
+        )
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(
+            f"validation_split must be in (0, 1). Received: validation_split={fraction}"
+        )
+    from keras_accel.data.batching import _flatten, map_structure
+
+    total = next(int(a.shape[0]) for a in _flatten(x) if a is not None)
+    cut = int(total * (1.0 - fraction))  # Keras takes the *last* fraction, before shuffling.
+    head = lambda a: a[:cut]  # noqa: E731
+    tail = lambda a: a[cut:]  # noqa: E731
+    sw = None if sample_weight is None else np.asarray(sample_weight)
+    return (
+        (map_structure(head, x), map_structure(head, y), None if sw is None else sw[:cut]),
+        (map_structure(tail, x), map_structure(tail, y), None if sw is None else sw[cut:]),
+    )

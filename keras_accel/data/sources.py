@@ -1,0 +1,243 @@
+"""The inputs an Accelerator accepts, each turned into a sequence of static-size padded batches.
+
+- numpy arrays (and tuples, lists or dicts of them): batched, shuffled and padded here, one
+  batch at a time, so the data set is never copied whole;
+- `keras.utils.PyDataset`: each of its batches is padded to the size of its first batch
+  (rounded up to a multiple of the replica count);
+- `tf.data.Dataset` (where TensorFlow is installed): see `keras_accel.data.tfdata`.
+
+A "batches" object here is backend-free: it answers `len()` and `batch(index, epoch)` with
+`(x, y, sample_weight)` numpy tuples. The backend modules wrap it in what `model.fit` takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from keras_accel.data.batching import (
+    BatchPlan,
+    _num_rows,
+    check_same_length,
+    map_structure,
+    pad_batch,
+    static_batch_size,
+)
+
+SUPPORTED_INPUTS = (
+    "numpy arrays (or tuples, lists, dicts of them), keras.utils.PyDataset, tf.data.Dataset"
+)
+
+
+def is_tf_dataset(value: Any) -> bool:
+    # Checked by module name so that a JAX-only install never imports TensorFlow here.
+    module = type(value).__module__ or ""
+    return module.startswith("tensorflow") and hasattr(value, "element_spec")
+
+
+def is_py_dataset(value: Any) -> bool:
+    import keras
+
+    return isinstance(value, keras.utils.PyDataset)
+
+
+def _to_numpy(structure: Any, name: str) -> Any:
+    def convert(leaf):
+        if isinstance(leaf, np.ndarray):
+            return leaf
+        if hasattr(leaf, "__array__") or isinstance(leaf, (list, float, int)):
+            return np.asarray(leaf)
+        raise TypeError(
+            f"`{name}` must be numpy arrays or array-likes (or a tuple/list/dict of them). "
+            f"Received: {type(leaf).__name__}. Supported inputs: {SUPPORTED_INPUTS}."
+        )
+
+    return map_structure(convert, structure)
+
+
+def class_weights_to_sample_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
+    """Per-row weights from a `{class_index: weight}` dict, for integer or one-hot targets."""
+    if y is None or isinstance(y, (dict, list, tuple)):
+        raise ValueError(
+            "`class_weight` needs a single array of targets. "
+            f"Received: y of type {type(y).__name__}."
+        )
+    labels = np.argmax(y, axis=-1) if y.ndim > 1 and y.shape[-1] > 1 else y.reshape(len(y))
+    labels = labels.astype("int64")
+    unknown = sorted(set(np.unique(labels).tolist()) - set(class_weight))
+    if unknown:
+        raise ValueError(
+            f"`class_weight` has no weight for classes {unknown[:10]}. "
+            f"Received: class_weight keys {sorted(class_weight)}."
+        )
+    table = np.zeros(max(max(class_weight), labels.max()) + 1, "float32")
+    for key, weight in class_weight.items():
+        table[int(key)] = weight
+    return table[labels]
+
+
+class ArrayBatches:
+    """Static-size batches over in-memory arrays, gathered one batch at a time."""
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        batch_size: int,
+        num_replicas: int,
+        shuffle: bool = False,
+        remainder: str = "pad",
+        training: bool = True,
+        seed: int | None = None,
+        class_weight: dict | None = None,
+    ):
+        x = _to_numpy(x, "x")
+        y = _to_numpy(y, "y")
+        if sample_weight is not None:
+            sample_weight = np.asarray(sample_weight, dtype="float32")
+            if sample_weight.ndim != 1:
+                raise ValueError(
+                    "`sample_weight` must be a 1-D array of one weight per row. "
+                    f"Received: shape {sample_weight.shape}."
+                )
+        num_samples = check_same_length([("x", x), ("y", y), ("sample_weight", sample_weight)])
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError(
+                    "Pass either `class_weight` or `sample_weight`, not both. "
+                    f"Received: class_weight={class_weight} and a sample_weight array."
+                )
+            sample_weight = class_weights_to_sample_weights(y, class_weight)
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.plan = BatchPlan(
+            num_samples=num_samples,
+            batch_size=int(batch_size),
+            static_rows=static_batch_size(batch_size, num_replicas),
+            remainder=remainder,
+            training=training,
+        )
+        self.shuffle = shuffle
+        self.seed = seed
+        self._order_epoch = None
+        self._order = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.plan.num_samples
+
+    @property
+    def static_rows(self) -> int:
+        return self.plan.static_rows
+
+    def __len__(self) -> int:
+        return self.plan.num_batches
+
+    def epoch_indices(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order = self.plan.permutation(self.seed, epoch, self.shuffle)
+            self._order_epoch = epoch
+        return self._order
+
+    def gather(self, indices: np.ndarray) -> tuple[Any, Any, np.ndarray]:
+        """The padded batch holding exactly the rows `indices`, in that order."""
+        indices = np.asarray(indices)
+        # Contiguous ranges are sliced, not fancy-indexed: a view instead of a copy.
+        if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and not self.shuffle:
+            take = lambda a: a[indices[0] : indices[-1] + 1]  # noqa: E731
+        else:
+            take = lambda a: np.take(a, indices, axis=0)  # noqa: E731
+        sw = None if self.sample_weight is None else take(self.sample_weight)
+        return pad_batch(
+            map_structure(take, self.x),
+            map_structure(take, self.y),
+            sw,
+            self.static_rows,
+            self.plan.weight_scale(len(indices)),
+        )
+
+    def batch(self, index: int, epoch: int = 0) -> tuple[Any, Any, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch index {index} out of range for {len(self)} batches")
+        start = index * self.plan.batch_size
+        order = self.epoch_indices(epoch)
+        return self.gather(order[start : start + self.plan.rows_in_batch(index)])
+
+
+def _standardize(item: Any) -> tuple[Any, Any, Any]:
+    if isinstance(item, dict) or not isinstance(item, (tuple, list)):
+        return item, None, None
+    item = tuple(item)
+    if not 1 <= len(item) <= 3:
+        raise ValueError(
+            "A batch must be x, (x,), (x, y) or (x, y, sample_weight). "
+            f"Received a tuple of {len(item)} elements."
+        )
+    return item + (None,) * (3 - len(item))
+
+
+class PyDatasetBatches:
+    """Pads every batch of a user's `keras.utils.PyDataset` to one static size.
+
+    The static size is the first batch's row count rounded up to a replica multiple. Batches
+    other than the last must all have that first size; the last may be smaller. To weight
+    evaluation exactly the total row count is needed, so the last batch is read once up
+    front (one extra batch load).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_replicas: int,
+        remainder: str = "pad",
+        training: bool = True,
+    ):
+        self.dataset = dataset
+        count = dataset.num_batches
+        if count is None:
+            raise ValueError(
+                "An infinite PyDataset (num_batches=None) has no last batch to pad and no "
+                "length to weight by. Give it a __len__, or pass steps to keras directly."
+            )
+        if count < 1:
+            raise ValueError(f"The PyDataset is empty. Received: len(dataset)={count}")
+        first = _num_rows(_standardize(dataset[0])[0])
+        last = first if count == 1 else _num_rows(_standardize(dataset[count - 1])[0])
+        self.first_rows = first
+        self.plan = BatchPlan(
+            num_samples=(count - 1) * first + last,
+            batch_size=first,
+            static_rows=static_batch_size(first, num_replicas),
+            remainder=remainder,
+            training=training,
+        )
+        self._count = count - 1 if remainder == "drop" and last < first and count > 1 else count
+
+    @property
+    def num_samples(self) -> int:
+        return self.plan.num_samples
+
+    @property
+    def static_rows(self) -> int:
+        return self.plan.static_rows
+
+    def __len__(self) -> int:
+        return self._count
+
+    def batch(self, index: int, epoch: int = 0) -> tuple[Any, Any, np.ndarray]:
+        x, y, sw = _standardize(self.dataset[index])
+        x, y = _to_numpy(x, "x"), _to_numpy(y, "y")
+        rows = _num_rows(x)
+        if rows != self.first_rows and index != self.dataset.num_batches - 1:
+            raise ValueError(
+                f"Batch {index} of the PyDataset has {rows} rows but its first batch has "
+                f"{self.first_rows}. keras_accel pads only the last batch of a PyDataset: "
+                "make every other batch the same size."
+            )
+        return pad_batch(x, y, sw, self.static_rows, self.plan.weight_scale(rows))
+
+    def on_epoch_end(self) -> None:
+        self.dataset.on_epoch_end()

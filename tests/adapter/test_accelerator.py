@@ -1,0 +1,125 @@
+"""The Accelerator's facts, scope, batch-size arithmetic and bad-input errors, on this backend."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import STRATEGIES, Accelerator
+from tests.helpers import compiled_mlp, data, mlp, weights_of
+
+
+def test_auto_uses_every_virtual_device(num_devices, backend):
+    acc = Accelerator()
+    assert acc.backend == backend
+    assert acc.strategy_name == "data_parallel"
+    assert acc.devices == [f"cpu:{i}" for i in range(num_devices)]
+    assert acc.num_replicas == num_devices
+    assert (acc.num_processes, acc.process_index, acc.is_chief) == (1, 0, True)
+    text = repr(acc)
+    assert f"backend='{backend}'" in text and "strategy='data_parallel'" in text
+    assert f"num_replicas={num_devices}" in text and "is_chief=True" in text
+
+
+def test_distribution_object_is_the_backend_native_one(backend):
+    acc = Accelerator(strategy="mirrored", devices=4)
+    if backend == "jax":
+        assert isinstance(acc.distribution, keras.distribution.DataParallel)
+    else:
+        import tensorflow as tf
+
+        assert isinstance(acc.distribution, tf.distribute.MirroredStrategy)
+        assert acc.distribution.num_replicas_in_sync == 4
+    assert Accelerator(strategy="single").distribution is None
+
+
+def test_batch_size_arithmetic():
+    acc = Accelerator()
+    assert acc.global_batch_size(16) == 16 * acc.num_replicas
+    assert acc.per_replica_batch_size(64) == 64 // acc.num_replicas
+    with pytest.raises(ValueError, match="global_batch=100 does not split evenly over 8"):
+        acc.per_replica_batch_size(100)
+    with pytest.raises(ValueError, match="per_replica=0"):
+        acc.global_batch_size(0)
+
+
+def test_unknown_strategy_and_bad_arguments():
+    with pytest.raises(ValueError, match="Received: strategy='tpuu'") as info:
+        Accelerator(strategy="tpuu")
+    assert all(repr(name) in str(info.value) for name in STRATEGIES)
+    with pytest.raises(ValueError, match="mixed_precision='int8'"):
+        Accelerator(mixed_precision="int8")
+    with pytest.raises(ValueError, match="remainder='wrap'"):
+        Accelerator(remainder="wrap")
+    with pytest.raises(ValueError, match=r"mesh_shape=\(3, 3\) needs 9 devices but 8"):
+        Accelerator(strategy="model_parallel", mesh_shape=(3, 3))
+
+
+def test_tpu_strategy_without_tpu_errors_quickly():
+    with pytest.raises(RuntimeError, match="no TPU was found"):
+        Accelerator(strategy="tpu")
+
+
+def test_unreachable_tpu_address_is_a_bounded_wait(backend, monkeypatch):
+    if backend != "tensorflow":
+        pytest.skip("the TPU address hint is read by TPUClusterResolver (TensorFlow only)")
+    from keras_accel.adapter.backends import tensorflow as tf_backend
+
+    monkeypatch.setenv("KERAS_ACCEL_TPU", "grpc://127.0.0.1:9")
+    with pytest.raises((TimeoutError, RuntimeError), match="127.0.0.1:9"):
+        tf_backend.connect_tpu(timeout_s=5)
+
+
+def test_scope_sets_mixed_precision_only_inside():
+    acc = Accelerator(mixed_precision="bfloat16")
+    with acc.scope():
+        model = mlp()
+    assert model.layers[0].dtype_policy.name == "mixed_bfloat16"
+    assert keras.config.dtype_policy().name == "float32"
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = data(32)
+    with acc.scope():
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    history = acc.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_seed_gives_identical_initial_weights():
+    def build():
+        acc = Accelerator(seed=123)
+        with acc.scope():
+            return keras.Sequential([keras.Input((5,)), keras.layers.Dense(7)])
+
+    first, second = weights_of(build()), weights_of(build())
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_model_built_outside_scope_is_refused():
+    acc = Accelerator()
+    model = compiled_mlp()
+    x, y = data(32)
+    with pytest.raises(RuntimeError, match="built outside `acc.scope\\(\\)`"):
+        acc.fit(model, x, y, batch_size=16, verbose=0)
+
+
+def test_single_device_accepts_a_model_built_anywhere():
+    acc = Accelerator(strategy="single")
+    model = compiled_mlp()
+    x, y = data(20)
+    history = acc.fit(model, x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(history.history["loss"]) == 1
+
+
+def test_unsupported_backend_is_a_clear_error():
+    env = dict(os.environ, KERAS_BACKEND="numpy")
+    code = "from keras_accel import Accelerator\nAccelerator()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "Received: KERAS_BACKEND='numpy'" in result.stderr
+    assert "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow" in result.stderr

@@ -1,0 +1,64 @@
+"""Shared test helpers: tiny models and data, and readers of what really ran."""
+
+import keras
+import numpy as np
+
+
+def mlp(inputs=6, classes=3, batchnorm=True, dropout=False, regularize=False, seed=0):
+    reg = keras.regularizers.L2(1e-3) if regularize else None
+    init = keras.initializers.GlorotUniform(seed=seed)
+    layers = [
+        keras.Input((inputs,)),
+        keras.layers.Dense(16, kernel_initializer=init, kernel_regularizer=reg),
+    ]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.ReLU())
+    if dropout:
+        layers.append(keras.layers.Dropout(0.5))
+    layers.append(
+        keras.layers.Dense(
+            classes,
+            activation="softmax",
+            kernel_initializer=keras.initializers.GlorotUniform(seed + 1),
+        )
+    )
+    return keras.Sequential(layers)
+
+
+def compiled_mlp(optimizer="sgd", **kwargs):
+    model = mlp(**kwargs)
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w_acc")],
+    )
+    return model
+
+
+def data(n=101, inputs=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, inputs)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
+    return x, np.minimum(y, classes - 1)
+
+
+def weights_of(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def assert_weights_close(a, b, atol=1e-5):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(u, v, atol=atol, rtol=1e-5, err_msg=f"weight {i}")
+
+
+def per_replica_values(variable):
+    """Each replica's copy of a variable, as numpy arrays (TF MirroredVariable or JAX shards)."""
+    value = variable.value
+    if hasattr(value, "values") and not hasattr(value, "addressable_shards"):
+        return [np.asarray(v) for v in value.values]
+    if hasattr(value, "addressable_shards"):
+        return [np.asarray(s.data) for s in value.addressable_shards]
+    return [np.asarray(value)]
