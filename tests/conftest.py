@@ -16,6 +16,17 @@ configure_virtual_cpu_devices(NUM_DEVICES)
 BACKEND = keras.backend.backend()
 
 
+# Set by pytest itself, or by TensorFlow when first imported (a tf.data test on the JAX run).
+IMPORT_TIME_VARIABLES = {
+    "PYTEST_CURRENT_TEST",
+    "TF2_BEHAVIOR",
+    "TPU_ML_PLATFORM",
+    "TPU_ML_PLATFORM_VERSION",
+    "ENABLE_RUNTIME_UPTIME_TELEMETRY",
+    "HDF5_PLUGIN_PATH",
+}
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_env():
     """Fail a test that leaves environment variables changed (Lightning's guard)."""
@@ -23,7 +34,7 @@ def _no_leaked_env():
     yield
     after = dict(os.environ)
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
-    changed.discard("PYTEST_CURRENT_TEST")  # pytest's own bookkeeping
+    changed -= IMPORT_TIME_VARIABLES
     if changed:
         os.environ.clear()
         os.environ.update(before)
@@ -39,7 +50,8 @@ def _fresh_keras_state():
     if BACKEND == "jax":
         distribution.set_distribution(None)
     keras.config.set_dtype_policy("float32")
-    keras.backend.clear_session()
+    # free_memory=False: a full gc.collect() per test costs tens of seconds under TF.
+    keras.backend.clear_session(free_memory=False)
 
 
 @pytest.fixture

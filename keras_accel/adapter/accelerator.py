@@ -343,15 +343,18 @@ class Accelerator:
             vx, vy, vsw = _unpack(validation_data)
             vbatch = (validation_batch_size or batch_size) if _is_array(vx) else None
             val = self._batches(vx, vy, vbatch, False, vsw, None, False, None)
-        warmup = _WarmupCallback(self.guard)
+        train_data = self._wrap(train)
+        sync = _EpochSync(
+            self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
+        )
         with self.scope():
             return model.fit(
-                self._wrap(train),
+                train_data,
                 epochs=epochs,
                 verbose=verbose,
                 # Rows are shuffled per epoch by our batches; Keras must keep their order.
                 shuffle=False,
-                callbacks=[warmup, *(callbacks or [])],
+                callbacks=[sync, *(callbacks or [])],
                 validation_data=None if val is None else self._wrap(val),
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
@@ -424,14 +427,25 @@ class _Wrapped:
         return self.static.rows_per_batch()
 
 
-class _WarmupCallback(keras.callbacks.Callback):
-    """Ends the recompile guard's warm-up after the first epoch (and its validation)."""
+class _EpochSync(keras.callbacks.Callback):
+    """Keeps the training batches on Keras's epoch index (so the shuffle order of epoch k is
+    the same in a resumed run), and ends the recompile guard's warm-up after the first epoch
+    and its validation."""
 
-    def __init__(self, guard: RecompileGuard):
+    def __init__(self, guard: RecompileGuard, batches, keras_ends_epochs: bool):
         super().__init__()
         self.guard = guard
+        self.batches = batches
+        self.keras_ends_epochs = keras_ends_epochs
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if hasattr(self.batches, "epoch"):
+            self.batches.epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
+        # Keras calls a PyDataset's on_epoch_end itself; a tf.data pipeline needs us to.
+        if not self.keras_ends_epochs and hasattr(self.batches, "on_epoch_end"):
+            self.batches.on_epoch_end()
         self.guard.mark_warm("train")
         if logs and any(key.startswith("val_") for key in logs):
             self.guard.mark_warm("test")

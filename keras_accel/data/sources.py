@@ -6,12 +6,15 @@
   (rounded up to a multiple of the replica count);
 - `tf.data.Dataset` (where TensorFlow is installed): see `keras_accel.data.tfdata`.
 
-A "batches" object here is backend-free: it answers `len()` and `batch(index, epoch)` with
-`(x, y, sample_weight)` numpy tuples. The backend modules wrap it in what `model.fit` takes.
+A "batches" object here is backend-free: it answers `len()` and `batch(index)` with
+`(x, y, sample_weight)` numpy tuples, has an `epoch` counter (which `Accelerator.fit` sets at
+each epoch's start, so shuffling is a function of the epoch and resumes exactly) and an
+`on_epoch_end()`. The backend modules wrap it in what `model.fit` takes.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -120,9 +123,13 @@ class ArrayBatches:
             training=training,
         )
         self.shuffle = shuffle
-        self.seed = seed
+        # Without a seed, draw one now: each epoch's order must be one fixed function of the
+        # epoch, since batches of an epoch may be gathered from several threads.
+        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
+        self.epoch = 0
         self._order_epoch = None
         self._order = None
+        self._lock = threading.Lock()
 
     @property
     def num_samples(self) -> int:
@@ -136,10 +143,16 @@ class ArrayBatches:
         return self.plan.num_batches
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            self._order = self.plan.permutation(self.seed, epoch, self.shuffle)
-            self._order_epoch = epoch
-        return self._order
+        """Row order of `epoch`: a pure function of (seed, epoch), so a resumed run sees the
+        same order as an uninterrupted one."""
+        with self._lock:
+            if self._order_epoch != epoch:
+                self._order = self.plan.permutation(self.seed, epoch, self.shuffle)
+                self._order_epoch = epoch
+            return self._order
+
+    def on_epoch_end(self) -> None:
+        self.epoch += 1
 
     def gather(self, indices: np.ndarray) -> tuple[Any, Any, np.ndarray]:
         """The padded batch holding exactly the rows `indices`, in that order."""
@@ -158,11 +171,12 @@ class ArrayBatches:
             self.plan.weight_scale(len(indices)),
         )
 
-    def batch(self, index: int, epoch: int = 0) -> tuple[Any, Any, np.ndarray]:
+    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, np.ndarray]:
+        """Padded batch `index` of `epoch` (default: the current `self.epoch`)."""
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range for {len(self)} batches")
         start = index * self.plan.batch_size
-        order = self.epoch_indices(epoch)
+        order = self.epoch_indices(self.epoch if epoch is None else epoch)
         return self.gather(order[start : start + self.plan.rows_in_batch(index)])
 
 
@@ -215,6 +229,7 @@ class PyDatasetBatches:
             training=training,
         )
         self._count = count - 1 if remainder == "drop" and last < first and count > 1 else count
+        self.epoch = 0  # The user's PyDataset shuffles itself, in its on_epoch_end().
 
     @property
     def num_samples(self) -> int:
@@ -227,7 +242,7 @@ class PyDatasetBatches:
     def __len__(self) -> int:
         return self._count
 
-    def batch(self, index: int, epoch: int = 0) -> tuple[Any, Any, np.ndarray]:
+    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, np.ndarray]:
         x, y, sw = _standardize(self.dataset[index])
         x, y = _to_numpy(x, "x"), _to_numpy(y, "y")
         rows = _num_rows(x)

@@ -87,6 +87,9 @@ class StaticTFBatches:
                 pad_leaf(weights * scale),
             )
 
+        # A known length lets Keras stop by count, not by an end-of-data error inside a
+        # replicated step (which aborts MirroredStrategy's collectives).
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.sizes)))
         self.dataset = dataset.map(pad, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
             tf.data.AUTOTUNE
         )

@@ -30,7 +30,7 @@ def test_raw_keras_fails_on_the_partial_batch(backend):
         keras.distribution.set_distribution(acc.distribution)
     # IndivisibleError (JAX) or AddN's shape error (TF).
     with pytest.raises(Exception), acc.scope():  # noqa: B017
-        model.evaluate(x, y, batch_size=16, verbose=0)
+        model.evaluate(x, y, batch_size=101, verbose=0)
 
 
 def test_fit_evaluate_predict_on_uneven_data_without_recompiling():
@@ -172,3 +172,21 @@ class _BatchCounter(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches[-1] += 1
+
+
+def test_shuffle_order_is_a_function_of_the_epoch_so_resuming_is_exact():
+    # Two epochs in one call, or one epoch then a second call from initial_epoch=1: the same
+    # rows in the same order, hence the same weights.
+    x, y = data(45)
+    runs = []
+    for split in (False, True):
+        acc = Accelerator(seed=7)
+        with acc.scope():
+            model = compiled_mlp()
+        if split:
+            acc.fit(model, x, y, batch_size=16, epochs=1, verbose=0)
+            acc.fit(model, x, y, batch_size=16, epochs=2, initial_epoch=1, verbose=0)
+        else:
+            acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
+        runs.append(model.get_weights())
+    assert_weights_close(runs[0], runs[1], atol=1e-6)

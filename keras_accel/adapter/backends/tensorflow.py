@@ -8,12 +8,9 @@ import os
 import threading
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_accel.adapter.strategies import Plan
-from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
 
@@ -87,6 +84,18 @@ def _all_reduce_sum(tensors):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+_MIRRORED: dict[tuple, tf.distribute.MirroredStrategy] = {}
+
+
+def _mirrored(devices: tuple) -> tf.distribute.MirroredStrategy:
+    # One strategy per device set and process: separate MirroredStrategy objects over the same
+    # devices hand out clashing collective-op keys, and the second one's steps are cancelled
+    # ("Function was cancelled before it was started") once both have run all-reduces.
+    if devices not in _MIRRORED:
+        _MIRRORED[devices] = tf.distribute.MirroredStrategy([_tf_name(d) for d in devices])
+    return _MIRRORED[devices]
+
+
 class Runtime:
     """A `tf.distribute` strategy built from a `Plan`."""
 
@@ -104,7 +113,7 @@ class Runtime:
         elif plan.strategy == "single":
             self.native = None
         else:
-            self.native = tf.distribute.MirroredStrategy([_tf_name(d) for d in plan.devices])
+            self.native = _mirrored(tuple(plan.devices))
         # BatchNormalization sums its moments across replicas (see adapter.batchnorm).
         self.all_reduce_sum = _all_reduce_sum if self.num_replicas > 1 else None
 
@@ -129,42 +138,46 @@ class Runtime:
             )
 
     def wrap(self, batches):
-        if isinstance(batches, ArrayBatches):
-            return array_dataset(batches)
-        return StaticBatchDataset(batches)
+        return indexed_dataset(batches)
 
 
-def array_dataset(batches: ArrayBatches) -> tf.data.Dataset:
-    """A tf.data pipeline over in-memory arrays: shuffling and batching of indices run in the
-    graph; rows are gathered and padded one batch at a time, so the arrays are never copied."""
-    plan = batches.plan
-    x, y, sample_weight = batches.gather(np.arange(min(plan.batch_size, plan.num_samples)))
+def _numpy_batches(example, load_flat, indices: tf.data.Dataset) -> tf.data.Dataset:
+    """Map `load_flat(index_tensor)` (numpy, flat list) over `indices`, with static shapes."""
+    x, y, sample_weight = example
     structure = (x,) if y is None else (x, y, sample_weight)
     flat = tf.nest.flatten(structure)
     dtypes = [tf.as_dtype(a.dtype) for a in flat]
     shapes = [a.shape for a in flat]
 
-    def gather(indices):
-        x, y, sample_weight = batches.gather(indices)
-        return tf.nest.flatten((x,) if y is None else (x, y, sample_weight))
-
-    def load(indices):
-        tensors = tf.numpy_function(gather, [indices], dtypes, stateful=False)
+    def load(index):
+        tensors = tf.numpy_function(load_flat, [index], dtypes, stateful=False)
         for tensor, shape in zip(tensors, shapes):
             tensor.set_shape(shape)
         return tf.nest.pack_sequence_as(structure, tensors)
 
-    dataset = tf.data.Dataset.range(plan.num_samples)
-    if batches.shuffle:
-        dataset = dataset.shuffle(
-            plan.num_samples, seed=batches.seed, reshuffle_each_iteration=True
-        )
-    dataset = dataset.batch(plan.batch_size, drop_remainder=plan.remainder == "drop")
-    dataset = dataset.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    dataset = indices.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     options = tf.data.Options()
     # Batches are built from in-memory rows, not files: shard by data across workers.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _flat(batch):
+    x, y, sample_weight = batch
+    return tf.nest.flatten((x,) if y is None else (x, y, sample_weight))
+
+
+def indexed_dataset(batches) -> tf.data.Dataset:
+    """tf.data over `batches` (anything with `len()` and `batch(i)`), with a known length.
+
+    Rows are gathered and padded one batch at a time in numpy, so the arrays are never
+    copied whole, and the row order is the one `batches` gives for its current epoch: the
+    same order as on JAX, and the same after a resume. Unlike Keras's `from_generator` route
+    for a PyDataset, the length is known: the step loop stops by count instead of running
+    into an end-of-data error inside a replicated step.
+    """
+    indices = tf.data.Dataset.range(len(batches))
+    return _numpy_batches(batches.batch(0), lambda i: _flat(batches.batch(int(i))), indices)
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:

@@ -1,0 +1,1 @@
+"""The `keras-accel` command line: `env` (what would run here) and, later, `bench`."""

@@ -1,0 +1,88 @@
+"""`keras-accel` entry point: one sub-command per job, argparse only."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report(devices: int | None = None) -> str:
+    """What `keras-accel env` prints: backend, versions, devices, and what `auto` picks."""
+    import keras
+
+    from keras_accel import Accelerator
+
+    lines = [
+        f"KERAS_BACKEND: {keras.backend.backend()}"
+        + ("" if os.environ.get("KERAS_BACKEND") else " (default; set KERAS_BACKEND to choose)"),
+        "versions: "
+        + ", ".join(
+            f"{name} {_version(dist)}"
+            for name, dist in [
+                ("keras_accel", "keras-accel"),
+                ("keras", "keras"),
+                ("jax", "jax"),
+                ("tensorflow", "tensorflow"),
+                ("keras-hub", "keras-hub"),
+            ]
+        ),
+    ]
+    acc = Accelerator()
+    lines += [
+        f"devices: {', '.join(acc.devices)}",
+        f"auto strategy: {acc.strategy_name} with {acc.num_replicas} replica(s)",
+        f"processes: {acc.num_processes} (this is process {acc.process_index}"
+        + (", the chief)" if acc.is_chief else ")"),
+        f"accelerator: {acc!r}",
+    ]
+    return "\n".join(lines)
+
+
+def _env(args: argparse.Namespace) -> int:
+    if args.virtual_devices:
+        from keras_accel.utils.devices import configure_virtual_cpu_devices
+
+        configure_virtual_cpu_devices(args.virtual_devices)
+    print(env_report())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-accel",
+        description="Run one Keras 3 training script on CPUs, GPUs or TPUs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    env = commands.add_parser("env", help="print backend, versions, devices and the auto strategy")
+    env.add_argument(
+        "--virtual-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the CPU into N logical devices first (to try data parallelism on a laptop)",
+    )
+    env.set_defaults(run=_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, TypeError) as e:
+        print(f"keras-accel {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Every input kind the Accelerator takes: arrays, dicts, PyDataset, tf.data."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from tests.helpers import assert_weights_close, compiled_mlp, data
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[part], self.y[part]
+
+
+def _pair(acc):
+    with acc.scope():
+        model = compiled_mlp()
+    twin = compiled_mlp()
+    twin.set_weights(model.get_weights())
+    return model, twin
+
+
+def test_pydataset_with_partial_last_batch_trains_and_evaluates_exactly():
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(43)
+    acc.fit(model, Batches(x, y, 16), epochs=1, verbose=0)
+    twin.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    got = acc.evaluate(model, Batches(x, y, 16), verbose=0)
+    want = twin.evaluate(x, y, batch_size=43, verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert acc.predict(model, Batches(x, y, 16), verbose=0).shape == (43, 3)
+
+
+def test_tf_data_input_is_padded_in_the_graph():
+    tf = pytest.importorskip("tensorflow")
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(43)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    acc.fit(model, dataset, epochs=1, verbose=0)
+    twin.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    got = acc.evaluate(model, dataset, verbose=0)
+    np.testing.assert_allclose(got, twin.evaluate(x, y, batch_size=43, verbose=0), rtol=1e-5)
+    predictions = acc.predict(model, tf.data.Dataset.from_tensor_slices(x).batch(16), verbose=0)
+    np.testing.assert_allclose(predictions, np.asarray(twin(x)), atol=1e-6)
+
+
+def test_dataset_inputs_refuse_batch_size_and_targets():
+    acc = Accelerator()
+    model, _ = _pair(acc)
+    x, y = data(16)
+    with pytest.raises(ValueError, match="Received also: batch_size"):
+        acc.fit(model, Batches(x, y, 8), batch_size=8, verbose=0)
+
+
+def test_dict_inputs_and_two_input_model():
+    acc = Accelerator()
+    with acc.scope():
+        a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+        merged = keras.layers.Concatenate()([a, b])
+        out = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(merged))
+        model = keras.Model({"a": a, "b": b}, out)
+        model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.normal(size=(50, 3)).astype("float32"),
+        "b": rng.normal(size=(50, 2)).astype("float32"),
+    }
+    y = rng.normal(size=(50, 1)).astype("float32")
+    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert acc.predict(model, x, batch_size=16, verbose=0).shape == (50, 1)
+
+
+def test_validation_split_takes_the_last_rows_like_keras():
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(50)
+    history = acc.fit(
+        model, x, y, batch_size=8, epochs=1, validation_split=0.2, verbose=0, shuffle=False
+    )
+    twin.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    want = twin.evaluate(x[40:], y[40:], batch_size=10, verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"][0], want[0], rtol=1e-5)
+    with pytest.raises(ValueError, match="validation_split must be in \\(0, 1\\)"):
+        acc.fit(model, x, y, batch_size=8, validation_split=1.5, verbose=0)
+
+
+def test_class_weight_matches_keras():
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(40)
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    acc.fit(
+        model, x, y, batch_size=8, epochs=1, class_weight=class_weight, shuffle=False, verbose=0
+    )
+    twin.fit(x, y, batch_size=8, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+
+
+def test_targetless_training_that_needs_padding_is_refused():
+    acc = Accelerator()
+    with acc.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((20, 4), "float32")
+    with pytest.raises(ValueError, match="Without targets \\(y=None\\)"):
+        acc.fit(model, x, batch_size=8, verbose=0)
+
+
+def test_unsupported_input_type_names_what_works():
+    acc = Accelerator()
+    model, _ = _pair(acc)
+    with pytest.raises(TypeError, match="Supported inputs: numpy arrays"):
+        acc.fit(model, object(), np.zeros(4), batch_size=8, verbose=0)
+
+
+def test_dataset_method_feeds_plain_model_fit():
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(30)
+    with acc.scope():
+        model.fit(acc.dataset(x, y, batch_size=8), epochs=1, verbose=0, shuffle=False)
+    twin.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # model.fit on acc.dataset is exact only with acc.prepare (BatchNorm over real rows).
+    acc2 = Accelerator()
+    model2, twin2 = _pair(acc2)
+    acc2.prepare(model2)
+    with acc2.scope():
+        model2.fit(acc2.dataset(x, y, batch_size=8), epochs=1, verbose=0, shuffle=False)
+    twin2.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model2.get_weights(), twin2.get_weights())
