@@ -1,11 +1,27 @@
 """keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow.
 
-The public API is this short list; everything else is internal.
+The public API is this short list and the subpackages `data`, `models` and `schedules`;
+everything else is internal.
+
+Example:
+    >>> import keras_accel
+    >>> acc = keras_accel.Accelerator()
+    >>> acc.strategy_name in keras_accel.STRATEGIES
+    True
 """
 
+from keras_accel import data, models, schedules
 from keras_accel.adapter import STRATEGIES, Accelerator
 from keras_accel.utils.devices import configure_virtual_cpu_devices
 
 __version__ = "0.1.0"
 
-__all__ = ["STRATEGIES", "Accelerator", "configure_virtual_cpu_devices", "__version__"]
+__all__ = [
+    "STRATEGIES",
+    "Accelerator",
+    "configure_virtual_cpu_devices",
+    "data",
+    "models",
+    "schedules",
+    "__version__",
+]

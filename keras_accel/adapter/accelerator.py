@@ -338,6 +338,7 @@ class Accelerator:
                 )
             (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
         train = self._batches(x, y, batch_size, shuffle, sample_weight, class_weight, True, None)
+        object.__setattr__(model, _BATCH_SIZE, train.plan.batch_size)
         val = None
         if validation_data is not None:
             vx, vy, vsw = _unpack(validation_data)
@@ -375,8 +376,10 @@ class Accelerator:
         return_dict: bool = False,
     ):
         """`model.evaluate` on every device. The loss and every metric equal the unpadded
-        single-device result: padding rows carry weight 0, real rows a uniform weight."""
+        single-device result: padding rows carry weight 0, real rows a uniform weight.
+        `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
+        batch_size = _default_batch_size(model, x, batch_size)
         batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None)
         with self.scope():
             result = model.evaluate(
@@ -398,8 +401,10 @@ class Accelerator:
         steps: int | None = None,
         callbacks: list | None = None,
     ):
-        """`model.predict` on every device: exactly one output row per input row, in order."""
+        """`model.predict` on every device: exactly one output row per input row, in order.
+        `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
+        batch_size = _default_batch_size(model, x, batch_size)
         batches = self._batches(x, None, batch_size, False, None, None, False, None)
         with self.scope():
             outputs = model.predict(
@@ -411,6 +416,17 @@ class Accelerator:
 
     def _wrap(self, batches):
         return batches.dataset if isinstance(batches, _Wrapped) else self._runtime.wrap(batches)
+
+
+_BATCH_SIZE = "_keras_accel_batch_size"
+
+
+def _default_batch_size(model, x, batch_size):
+    """Evaluation and prediction default to the training batch size: the step programs are
+    then compiled for one batch shape, instead of a second one for Keras's default of 32."""
+    if batch_size is not None or not _is_array(x):
+        return batch_size
+    return getattr(model, _BATCH_SIZE, None)
 
 
 class _Wrapped:

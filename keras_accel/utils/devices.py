@@ -25,8 +25,13 @@ def configure_virtual_cpu_devices(count: int) -> None:
         count: number of logical CPU devices, at least 1.
 
     Example:
-        >>> import keras_accel
-        >>> keras_accel.configure_virtual_cpu_devices(1)
+
+    ```python
+    import keras_accel
+
+    keras_accel.configure_virtual_cpu_devices(8)  # first thing, before any model
+    acc = keras_accel.Accelerator()               # data_parallel over cpu:0 ... cpu:7
+    ```
     """
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"`count` must be a positive integer. Received: count={count!r}")

@@ -66,10 +66,10 @@ class Runtime:
             placed = set(variable.value.sharding.device_set)
             if not placed >= expected:
                 raise RuntimeError(
-                    f"The model's variable {variable.path!r} lives on {len(placed)} device(s) "
-                    f"but this Accelerator spreads work over {len(expected)}: the model was "
-                    "built outside `acc.scope()`. Build and compile it inside "
-                    "`with acc.scope():` so its variables are laid out over the device mesh."
+                    f"The model was built outside `acc.scope()`: its variable "
+                    f"{variable.path!r} lives on {len(placed)} device(s), but this "
+                    f"Accelerator spreads work over {len(expected)}. Build and compile it "
+                    "inside `with acc.scope():` so its variables are laid out over the mesh."
                 )
 
     def wrap(self, batches):
