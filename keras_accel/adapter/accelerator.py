@@ -95,12 +95,11 @@ class Accelerator:
         self._backend = keras.backend.backend()
         self._module = backends.load(self._backend)
         if self._backend == "torch":
-            if strategy not in ("auto", "single"):
-                warnings.warn(
-                    f"keras_accel: distribution is not supported on the torch backend; "
-                    f"strategy={strategy!r} runs on a single device.",
-                    stacklevel=2,
-                )
+            warnings.warn(
+                f"keras_accel: distribution is not supported on the torch backend; "
+                f"strategy={strategy!r} runs on a single device.",
+                stacklevel=2,
+            )
             strategy = "single"
         if self._backend == "tensorflow":
             inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))

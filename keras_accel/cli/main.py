@@ -48,7 +48,7 @@ def env_report(devices: int | None = None) -> str:
 
 
 def _env(args: argparse.Namespace) -> int:
-    if args.virtual_devices:
+    if args.virtual_devices is not None:
         from keras_accel.utils.devices import configure_virtual_cpu_devices
 
         configure_virtual_cpu_devices(args.virtual_devices)
