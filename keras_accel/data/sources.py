@@ -126,7 +126,8 @@ class ArrayBatches:
         # Without a seed, draw one now: each epoch's order must be one fixed function of the
         # epoch, since batches of an epoch may be gathered from several threads.
         self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
-        self.epoch = 0
+        self._epoch = 0
+        self.epoch_listeners: list = []  # Backends that compute the order in a graph.
         self._order_epoch = None
         self._order = None
         self._lock = threading.Lock()
@@ -150,6 +151,17 @@ class ArrayBatches:
                 self._order = self.plan.permutation(self.seed, epoch, self.shuffle)
                 self._order_epoch = epoch
             return self._order
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose row order `batch()` serves."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch = int(value)
+        for listener in self.epoch_listeners:
+            listener(self._epoch)
 
     def on_epoch_end(self) -> None:
         self.epoch += 1

@@ -11,6 +11,8 @@ import keras
 import tensorflow as tf
 
 from keras_accel.adapter.strategies import Plan
+from keras_accel.data.pydataset import StaticBatchDataset
+from keras_accel.data.sources import ArrayBatches
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
 
@@ -138,46 +140,76 @@ class Runtime:
             )
 
     def wrap(self, batches):
-        return indexed_dataset(batches)
+        if isinstance(batches, ArrayBatches):
+            return array_dataset(batches)
+        # A user's PyDataset: Keras's own route (tf.data from a generator).
+        return StaticBatchDataset(batches)
 
 
-def _numpy_batches(example, load_flat, indices: tf.data.Dataset) -> tf.data.Dataset:
-    """Map `load_flat(index_tensor)` (numpy, flat list) over `indices`, with static shapes."""
-    x, y, sample_weight = example
-    structure = (x,) if y is None else (x, y, sample_weight)
-    flat = tf.nest.flatten(structure)
-    dtypes = [tf.as_dtype(a.dtype) for a in flat]
-    shapes = [a.shape for a in flat]
+def array_dataset(batches: ArrayBatches) -> tf.data.Dataset:
+    """Static padded batches over in-memory arrays, computed entirely in the tf.data graph.
+
+    No Python runs inside the pipeline. (A `numpy_function` there deadlocks: under a
+    strategy Keras peeks one batch from a fresh iterator before training and drops it, and
+    the iterator's destructor, run with the GIL held, waits for prefetch threads that wait
+    for the GIL.) The arrays become TensorFlow tensors once, as in plain Keras; batches are
+    gathered from them by index. Epoch k's row order is a stateless function of
+    (seed, k), read from a variable that `Accelerator.fit` sets at each epoch's start, so a
+    resumed run sees the same order.
+    """
+    plan = batches.plan
+    n, rows, static = plan.num_samples, plan.batch_size, plan.static_rows
+    with tf.device("/cpu:0"):
+        leaves = tf.nest.map_structure(
+            lambda a: None if a is None else tf.constant(a), _structure(batches)
+        )
+        epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
+    batches.epoch_listeners.append(lambda value: epoch.assign(value))
+    seed = tf.constant(batches.seed % 2**63, tf.int64)
+    uniform = None if plan.training else plan.weight_scale(rows)
 
     def load(index):
-        tensors = tf.numpy_function(load_flat, [index], dtypes, stateful=False)
-        for tensor, shape in zip(tensors, shapes):
-            tensor.set_shape(shape)
-        return tf.nest.pack_sequence_as(structure, tensors)
+        start = index * rows
+        real = tf.minimum(n - start, rows)
+        offsets = tf.range(static, dtype=tf.int64)
+        positions = tf.minimum(start + offsets, n - 1)
+        if batches.shuffle:
+            positions = tf.random.experimental.index_shuffle(
+                positions, seed=tf.stack([seed, epoch.read_value()]), max_index=n - 1
+            )
+        keep = offsets < real
 
-    dataset = indices.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        def take(leaf):
+            gathered = tf.gather(leaf, positions)
+            mask = tf.reshape(keep, [-1] + [1] * (leaf.shape.rank - 1))
+            return tf.where(mask, gathered, tf.zeros_like(gathered))
+
+        x, y, sample_weight = leaves
+        if y is None:
+            return (tf.nest.map_structure(take, x),)
+        weights = tf.ones([static], tf.float32) if sample_weight is None else take(sample_weight)
+        scale = (
+            tf.cast(static, tf.float32) / tf.cast(real, tf.float32)
+            if uniform is None
+            else tf.constant(uniform, tf.float32)
+        )
+        weights = tf.where(keep, weights * scale, 0.0)
+        return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), weights
+
+    dataset = tf.data.Dataset.range(len(batches)).map(
+        load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
     options = tf.data.Options()
-    # Batches are built from in-memory rows, not files: shard by data across workers.
+    # Batches come from in-memory rows, not files: shard by data across workers.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
-def _flat(batch):
-    x, y, sample_weight = batch
-    return tf.nest.flatten((x,) if y is None else (x, y, sample_weight))
-
-
-def indexed_dataset(batches) -> tf.data.Dataset:
-    """tf.data over `batches` (anything with `len()` and `batch(i)`), with a known length.
-
-    Rows are gathered and padded one batch at a time in numpy, so the arrays are never
-    copied whole, and the row order is the one `batches` gives for its current epoch: the
-    same order as on JAX, and the same after a resume. Unlike Keras's `from_generator` route
-    for a PyDataset, the length is known: the step loop stops by count instead of running
-    into an end-of-data error inside a replicated step.
-    """
-    indices = tf.data.Dataset.range(len(batches))
-    return _numpy_batches(batches.batch(0), lambda i: _flat(batches.batch(int(i))), indices)
+def _structure(batches: ArrayBatches):
+    sample_weight = batches.sample_weight
+    if sample_weight is not None:
+        sample_weight = sample_weight.astype("float32")
+    return batches.x, batches.y, sample_weight
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
