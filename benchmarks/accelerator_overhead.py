@@ -147,7 +147,9 @@ def _child(backend: str, argv: list[str]) -> dict:
         text=True,
     )
     if result.returncode != 0:
-        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr else "failed"}
+        # Native crashes end in stack-frame lines; the message is the line before them.
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "@ 0x" not in ln]
+        return {"error": f"exit {result.returncode}: {lines[-1] if lines else 'no output'}"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

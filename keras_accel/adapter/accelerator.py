@@ -234,9 +234,7 @@ class Accelerator:
         batches = self._batches(
             x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder
         )
-        if isinstance(batches, _Wrapped):
-            return batches.dataset
-        return self._runtime.wrap(batches)
+        return self._wrap(batches)
 
     def _batches(self, x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder):
         remainder = self.remainder if remainder is None else remainder
@@ -259,12 +257,10 @@ class Accelerator:
         if sources.is_tf_dataset(x):
             from keras_accel.data import tfdata
 
-            return _Wrapped(
-                tfdata.static_batches(
-                    x, num_replicas=self.num_replicas, remainder=remainder, training=training
-                )
+            batches = tfdata.StaticTFBatches(
+                x, num_replicas=self.num_replicas, remainder=remainder, training=training
             )
-        if sources.is_py_dataset(x):
+        elif sources.is_py_dataset(x):
             batches = sources.PyDatasetBatches(
                 x, num_replicas=self.num_replicas, remainder=remainder, training=training
             )
@@ -414,7 +410,9 @@ class Accelerator:
         return keras.tree.map_structure(lambda a: a[keep], outputs)
 
     def _wrap(self, batches):
-        return batches.dataset if isinstance(batches, _Wrapped) else self._runtime.wrap(batches)
+        # A tf.data input is padded in its own graph already; the rest is wrapped per backend.
+        ready = getattr(batches, "fit_input", None)
+        return ready if ready is not None else self._runtime.wrap(batches)
 
 
 _BATCH_SIZE = "_keras_accel_batch_size"
@@ -426,20 +424,6 @@ def _default_batch_size(model, x, batch_size):
     if batch_size is not None or not _is_array(x):
         return batch_size
     return getattr(model, _BATCH_SIZE, None)
-
-
-class _Wrapped:
-    """Batches that arrive already in the form `model.fit` takes (tf.data inputs)."""
-
-    def __init__(self, static):
-        self.static = static
-        self.dataset = static.dataset
-        self.plan = static.plan
-        self.static_rows = static.plan.static_rows
-        self.num_samples = static.plan.num_samples
-
-    def rows_per_batch(self):
-        return self.static.rows_per_batch()
 
 
 class _EpochSync(keras.callbacks.Callback):

@@ -221,7 +221,7 @@ class PyDatasetBatches:
         remainder: str = "pad",
         training: bool = True,
     ):
-        self.dataset = dataset
+        self.source = dataset
         count = dataset.num_batches
         if count is None:
             raise ValueError(
@@ -255,10 +255,10 @@ class PyDatasetBatches:
         return self._count
 
     def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, np.ndarray]:
-        x, y, sw = _standardize(self.dataset[index])
+        x, y, sw = _standardize(self.source[index])
         x, y = _to_numpy(x, "x"), _to_numpy(y, "y")
         rows = _num_rows(x)
-        if rows != self.first_rows and index != self.dataset.num_batches - 1:
+        if rows != self.first_rows and index != self.source.num_batches - 1:
             raise ValueError(
                 f"Batch {index} of the PyDataset has {rows} rows but its first batch has "
                 f"{self.first_rows}. keras_accel pads only the last batch of a PyDataset: "
@@ -267,4 +267,4 @@ class PyDatasetBatches:
         return pad_batch(x, y, sw, self.static_rows, self.plan.weight_scale(rows))
 
     def on_epoch_end(self) -> None:
-        self.dataset.on_epoch_end()
+        self.source.on_epoch_end()

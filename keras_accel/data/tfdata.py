@@ -90,21 +90,20 @@ class StaticTFBatches:
         # A known length lets Keras stop by count, not by an end-of-data error inside a
         # replicated step (which aborts MirroredStrategy's collectives).
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.sizes)))
-        self.dataset = dataset.map(pad, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
+        self.fit_input = dataset.map(pad, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
             tf.data.AUTOTUNE
         )
+
+    @property
+    def static_rows(self) -> int:
+        return self.plan.static_rows
+
+    @property
+    def num_samples(self) -> int:
+        return self.plan.num_samples
 
     def rows_per_batch(self) -> list[int]:
         return list(self.sizes)
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-
-def static_batches(dataset, *, num_replicas: int, remainder: str, training: bool):
-    return StaticTFBatches(
-        dataset, num_replicas=num_replicas, remainder=remainder, training=training
-    )
-
-
-__all__ = ["StaticTFBatches", "static_batches"]
