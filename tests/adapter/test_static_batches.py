@@ -190,3 +190,18 @@ def test_shuffle_order_is_a_function_of_the_epoch_so_resuming_is_exact():
             acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
         runs.append(model.get_weights())
     assert_weights_close(runs[0], runs[1], atol=1e-6)
+
+
+def test_saved_weights_are_the_weights_that_were_used(tmp_path):
+    # After distributed training with BatchNorm, the weights file (first replica's copy on TF)
+    # must reproduce the Accelerator's predictions on a single device.
+    acc = Accelerator(seed=3)
+    model, twin = _pair(acc)
+    x, y = data(77, seed=2)
+    acc.fit(model, x * 3.0, y, batch_size=16, epochs=2, verbose=0)
+    path = str(tmp_path / "trained.weights.h5")
+    model.save_weights(path)
+    twin.load_weights(path)
+    np.testing.assert_allclose(
+        acc.predict(model, x, verbose=0), np.asarray(twin(x, training=False)), atol=1e-5
+    )
