@@ -1,0 +1,20 @@
+"""Training callbacks that keep working under distribution, resume exactly, and write anywhere.
+
+Import them in place of Keras's:
+
+```python
+from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler, ModelCheckpoint
+```
+
+Each takes Keras's arguments with Keras's meaning, works with `model.fit` and
+`Accelerator.fit` on JAX and TensorFlow under every strategy, writes from the chief process
+only, and writes to local paths or URLs (`gs://`, `s3://`, `memory://`) through
+`keras_accel.io`. See docs/callbacks.md.
+"""
+
+from keras_accel.callbacks.backup import BackupAndRestore
+from keras_accel.callbacks.checkpoint import ModelCheckpoint
+from keras_accel.callbacks.history import History
+from keras_accel.callbacks.learning_rate import LearningRateScheduler
+
+__all__ = ["BackupAndRestore", "History", "LearningRateScheduler", "ModelCheckpoint"]

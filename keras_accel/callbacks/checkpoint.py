@@ -1,0 +1,135 @@
+"""`ModelCheckpoint`: Keras's callback, writing from the chief only, to any path, rotated."""
+
+from __future__ import annotations
+
+import re
+
+import keras
+
+from keras_accel import io
+from keras_accel.callbacks import _saving
+from keras_accel.callbacks._run import run_state
+from keras_accel.utils import process
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Saves the model (or its weights) during training; Keras's, plus rotation.
+
+    Takes every argument of `keras.callbacks.ModelCheckpoint` with the same meaning
+    (`monitor`, `save_best_only`, `mode`, `save_weights_only`, `save_freq`,
+    `initial_value_threshold`, `{epoch}`/`{batch}`/`{val_loss:.2f}` placeholders in
+    `filepath`), and adds:
+
+    - `max_to_keep`: keep only the newest N files this pattern produced (like the seed's
+      `CheckpointManager(max_to_keep=5)`); older matching files in the directory, from
+      earlier runs too, are deleted. `None` (default) keeps everything, as Keras does;
+    - only the chief process writes (every process still tracks the best value, so they
+      agree on it); in Keras every process of a multi-process run writes;
+    - any path: a local path or a URL (`gs://`, `s3://`, `memory://`). Keras writes a
+      local temporary file, which is renamed (local) or uploaded (URL) over the target,
+      so a crash never leaves a half-written file under the final name;
+    - batches that `BackupAndRestore` replays after a mid-epoch resume are not saved.
+
+    `.keras` files load back with `keras.saving.load_model(path)` in Keras's safe mode; for
+    a URL, fetch it with `keras_accel.io.local_copy(path)` first.
+
+    Args:
+        filepath: path or URL of the file; ends in `.keras` (whole model), or
+            `.weights.h5` with `save_weights_only=True`.
+        max_to_keep: how many files to keep, or None for all.
+        (others): as in `keras.callbacks.ModelCheckpoint`.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from keras_accel import io
+    >>> from keras_accel.callbacks import ModelCheckpoint
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> checkpoint = ModelCheckpoint("memory://doc/ckpt/e{epoch}.weights.h5",
+    ...                              save_weights_only=True, max_to_keep=2)
+    >>> _ = model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=3, verbose=0,
+    ...               callbacks=[checkpoint])
+    >>> io.listdir("memory://doc/ckpt")
+    ['e2.weights.h5', 'e3.weights.h5']
+    """
+
+    def __init__(
+        self,
+        filepath,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq="epoch",
+        initial_value_threshold: float | None = None,
+        max_to_keep: int | None = None,
+    ):
+        super().__init__(
+            filepath,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=save_best_only,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+            initial_value_threshold=initial_value_threshold,
+        )
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1
+        ):
+            raise ValueError(
+                "`max_to_keep` must be a positive integer, or None to keep every file. "
+                f"Received: max_to_keep={max_to_keep!r}"
+            )
+        self.max_to_keep = max_to_keep
+        self._kept: list[str] | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if run_state(self._model).replaying(getattr(self, "_current_epoch", None), batch):
+            return
+        super().on_train_batch_end(batch, logs)
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        # Every process decides (and updates `best`), so all agree; only the chief writes.
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if not process.is_chief():
+            return
+        _saving.save(self.model, filepath, weights_only=self.save_weights_only)
+        if self.verbose > 0:
+            keras.utils.io_utils.print_msg(
+                f"\nEpoch {epoch + 1}: finished saving model to {filepath}"
+            )
+        self._rotate(filepath)
+
+    def _rotate(self, saved: str) -> None:
+        if self.max_to_keep is None:
+            return
+        if self._kept is None:
+            self._kept = self._existing_files()
+        if saved in self._kept:
+            self._kept.remove(saved)
+        self._kept.append(saved)
+        while len(self._kept) > self.max_to_keep:
+            old = self._kept.pop(0)
+            if io.exists(old):
+                io.remove(old)
+
+    def _existing_files(self) -> list[str]:
+        """Files in the directory that this pattern could have written, oldest first."""
+        directory, pattern = io.dirname(self.filepath), io.basename(self.filepath)
+        if not directory or not io.isdir(directory):
+            return []
+        regex = re.compile(_pattern_regex(pattern))
+        found = [io.join(directory, name) for name in io.listdir(directory) if regex.match(name)]
+        # Oldest first by modification time where the storage has one, then by name.
+        return sorted(found, key=lambda path: (io.getmtime(path) or 0.0, path))
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A regex matching what `pattern.format(...)` can produce: placeholders match `.+`."""
+    parts = re.split(r"\{[^{}]*\}", pattern)
+    return "^" + ".+".join(re.escape(part) for part in parts) + "$"

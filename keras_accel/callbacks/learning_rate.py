@@ -1,0 +1,323 @@
+"""`LearningRateScheduler`: Keras's callback, plus per-step schedules, on every strategy."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_accel.callbacks._run import run_state
+from keras_accel.schedules import validate_learning_rate
+
+UPDATE_FREQS = ("epoch", "step")
+
+
+class LearningRateScheduler(keras.callbacks.Callback):
+    """Sets the optimizer's learning rate from a schedule, every epoch or every step.
+
+    A drop-in for `keras.callbacks.LearningRateScheduler(schedule, verbose=0)`: with the
+    default `update_freq="epoch"`, `schedule(epoch, lr)` (or `schedule(epoch)`) is called at
+    the start of each epoch with the epoch index and the current rate, as in Keras. It adds:
+
+    - `update_freq="step"`: `schedule(step)` (or `schedule(step, lr)`) before every optimizer
+      step, where `step` is the optimizer's iteration count (0 for the first update, counted
+      across epochs, and restored by `BackupAndRestore`, so a resumed run continues the
+      schedule where it stopped). `schedule` may be any function of the step, a
+      `keras.optimizers.schedules.LearningRateSchedule`, or a `keras_accel.schedules`
+      schedule; one that needs the training length is bound to `epochs * steps` of the fit.
+    - It works when the optimizer was built with a schedule object (Keras's raises a
+      TypeError there): the optimizer's rate becomes a variable that this callback sets,
+      and it stays one after training.
+    - The schedule is called once, with the arguments its signature asks for; a TypeError
+      inside it is never retried with other arguments. A result that is not one finite
+      number >= 0 raises a ValueError naming the epoch or step and the value.
+    - The applied rate goes into the logs as `learning_rate` (per epoch; and per batch in
+      step mode), so `History` and the progress bar show it.
+
+    Under distribution the rate is a replicated optimizer variable: one assignment from the
+    callback reaches every replica (a `tf.distribute` MirroredVariable, or a replicated JAX
+    array that the compiled step receives as part of its state).
+
+    Args:
+        schedule: a callable `(index) -> rate` or `(index, current_rate) -> rate`, where
+            `index` is the epoch (`update_freq="epoch"`) or the optimizer step ("step").
+        verbose: 0 is silent; 1 prints a message when the rate changes.
+        update_freq: "epoch" (default, as in Keras) or "step".
+
+    Example: divide the learning rate by 10 at 50% of training, applied every step.
+
+    >>> import keras, numpy as np
+    >>> from keras_accel.callbacks import LearningRateScheduler
+    >>> from keras_accel.schedules import PiecewiseConstant
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(keras.optimizers.SGD(0.1), "mse")
+    >>> halve = PiecewiseConstant([0.1, 0.01], boundaries=[0.5], unit="fraction")
+    >>> history = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, epochs=2,
+    ...                     verbose=0, callbacks=[LearningRateScheduler(halve, update_freq="step")])
+    >>> [round(rate, 4) for rate in history.history["learning_rate"]]
+    [0.1, 0.01]
+    """
+
+    def __init__(
+        self,
+        schedule: Callable[..., Any],
+        verbose: int = 0,
+        update_freq: str = "epoch",
+    ):
+        super().__init__()
+        if not callable(schedule):
+            raise TypeError(
+                "`schedule` must be callable: a function of the epoch or step (optionally "
+                "also of the current rate), or a learning-rate schedule object. "
+                f"Received: schedule={schedule!r} of type {type(schedule).__name__}"
+            )
+        if update_freq not in UPDATE_FREQS:
+            raise ValueError(
+                f"`update_freq` must be one of {UPDATE_FREQS}. "
+                f"Received: update_freq={update_freq!r}"
+            )
+        self.schedule = schedule
+        self.verbose = verbose
+        self.update_freq = update_freq
+        self._passes_rate = _passes_rate(schedule)
+        self._bound = None
+        self._step = None  # Host-side step count, so that no step waits on the device.
+        self._last_batch = None
+        self._restores_seen = None
+        self._applied = None
+
+    # ------------------------------------------------------------------ hooks
+    def set_model(self, model):
+        super().set_model(model)
+        # fit calls this before it builds its train function, which then includes the
+        # rate variable; a function built earlier around a schedule is dropped.
+        if getattr(model, "optimizer", None) is not None:
+            _, created = rate_variable(model)
+            if created:
+                model.train_function = None
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if model.optimizer is None:
+            raise ValueError(
+                "LearningRateScheduler needs a compiled model with an optimizer. "
+                "Call model.compile(optimizer=...) before fit."
+            )
+        _, created = rate_variable(model)
+        if created:  # Driven without set_model: rebuild the step around the variable.
+            model.make_train_function(force=True)
+        self._bound = self._bind()
+        self._step = None
+        if self.update_freq == "step" and (getattr(model, "steps_per_execution", 1) or 1) > 1:
+            warnings.warn(
+                f"LearningRateScheduler(update_freq='step') runs between executions: with "
+                f"steps_per_execution={model.steps_per_execution} the rate changes once per "
+                f"{model.steps_per_execution} steps. Pass the schedule as the optimizer's "
+                "learning_rate instead to change it inside every step.",
+                stacklevel=2,
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._step = None  # Re-read the optimizer's count once per epoch.
+        if self.update_freq != "epoch":
+            return
+        self._set(self.model, epoch, "epoch")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.update_freq != "step":
+            return
+        # `self.model` also pulls the JAX training state back onto the variables, so that
+        # the assignment below reaches the next compiled step.
+        model = self.model
+        step = self._current_step(model, batch)
+        self._set(model, step, "step")
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.update_freq == "step" and logs is not None and self._applied is not None:
+            logs["learning_rate"] = self._applied
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self._applied is not None:
+            logs["learning_rate"] = self._applied
+
+    # ------------------------------------------------------------------ helpers
+    def _bind(self):
+        """The schedule, bound to the length of this fit if it needs one."""
+        schedule = self.schedule
+        if not getattr(schedule, "needs_total_steps", False):
+            return schedule
+        epochs = (self.params or {}).get("epochs")
+        steps = (self.params or {}).get("steps")
+        if self.update_freq == "epoch":
+            if not epochs:
+                raise ValueError(
+                    f"{schedule!r} needs the number of epochs, which this fit does not give. "
+                    "Bind it with schedule.with_total_steps(epochs) first."
+                )
+            return schedule.with_total_steps(int(epochs), steps_per_epoch=1)
+        if not epochs or not steps:
+            raise ValueError(
+                f"{schedule!r} needs the length of training, but this fit does not say how "
+                f"many steps an epoch has (epochs={epochs}, steps={steps}). Pass "
+                "steps_per_epoch to fit, or bind the schedule with "
+                "schedule.with_total_steps(total_steps, steps_per_epoch=...) first."
+            )
+        return schedule.with_total_steps(int(epochs) * int(steps), steps_per_epoch=int(steps))
+
+    def _current_step(self, model, batch: int) -> int:
+        optimizer = model.optimizer
+        state = run_state(model)
+        recount = (
+            self._step is None
+            or state.restores != self._restores_seen
+            or getattr(optimizer, "gradient_accumulation_steps", None)
+        )
+        if recount:
+            self._step = int(_host(optimizer.iterations))
+            self._restores_seen = state.restores
+        else:
+            self._step += batch - self._last_batch
+        self._last_batch = batch
+        return self._step
+
+    def _set(self, model, index: int, unit: str) -> None:
+        variable, _ = rate_variable(model)
+        schedule = self._bound if self._bound is not None else self.schedule
+        if self._passes_rate:
+            current = float(_host(variable))
+            value = schedule(index, current)
+        else:
+            value = schedule(index)
+        rate = _check(value, index, unit, schedule)
+        variable.assign(rate)
+        if self.verbose > 0 and rate != self._applied:
+            keras.utils.io_utils.print_msg(
+                f"\n{unit.capitalize()} {index + (1 if unit == 'epoch' else 0)}: "
+                f"LearningRateScheduler setting learning rate to {rate}."
+            )
+        self._applied = rate
+        state = run_state(model)
+        state.learning_rate = rate
+        state.learning_rate_step = index if unit == "step" else None
+
+
+def _host(value) -> np.ndarray:
+    """A variable or tensor on the host (a tf.distribute variable's `.value` cannot be
+    converted inside its strategy's scope, `.numpy()` can)."""
+    if hasattr(value, "numpy"):
+        return np.asarray(value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def _passes_rate(schedule: Callable[..., Any]) -> bool:
+    """Whether `schedule` takes (index, rate) rather than (index): read from its signature,
+    never found out by calling it and catching a TypeError."""
+    try:
+        signature = inspect.signature(schedule)
+    except (TypeError, ValueError):
+        return True  # A builtin without a signature: Keras's first guess is (epoch, lr).
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in signature.parameters.values())
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > 2 or (not positional and not variadic):
+        raise TypeError(
+            "`schedule` must take the epoch (or step) and optionally the current rate: "
+            f"`schedule(index)` or `schedule(index, lr)`. Received: {schedule!r} with "
+            f"signature {signature}"
+        )
+    return variadic or len(positional) >= 2
+
+
+def _check(value: Any, index: int, unit: str, schedule: Any) -> float:
+    try:
+        return validate_learning_rate(value, index)
+    except ValueError:
+        pass
+    name = getattr(schedule, "__name__", None) or repr(schedule)
+    raise ValueError(
+        f"LearningRateScheduler: the schedule {name} returned an invalid learning rate for "
+        f"{unit} {index}: a rate must be one finite number >= 0 (a Python or NumPy float, "
+        f"or a one-element tensor). Received: value={value!r} (type "
+        f"{type(value).__name__}), {unit}={index}"
+    )
+
+
+def rate_variable(model) -> tuple[Any, bool]:
+    """`(variable, created)`: the optimizer's learning-rate variable, created if the
+    optimizer has a schedule.
+
+    Keras keeps a float rate in a variable that is part of the optimizer's state (so the
+    compiled step reads it on every backend), but keeps a schedule object as a function of
+    the iteration count, which cannot be set. The schedule is replaced by a variable holding
+    its current value. A train function traced before must be rebuilt (the caller does):
+    `tf.function` would keep reading the schedule it captured.
+    """
+    optimizer = _inner(model.optimizer)
+    current = optimizer._learning_rate
+    if isinstance(current, keras.Variable):
+        return current, False
+    if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
+        initial = current(optimizer.iterations)
+    elif callable(current):
+        initial = current()
+    else:
+        initial = current
+    initial = float(_host(initial))
+    with _variable_scope(model), keras.name_scope(optimizer.name, caller=optimizer):
+        variable = keras.Variable(
+            initial,
+            name="learning_rate",
+            dtype=keras.config.floatx(),
+            trainable=False,
+            aggregation="only_first_replica",
+        )
+    _place_like(variable, optimizer.iterations)
+    optimizer._learning_rate = variable  # Keras's attribute tracking adds it to `variables`.
+    # Exactly once, right after the iteration count: where an optimizer built with a float
+    # rate has it, so weights saved now load into an optimizer rebuilt from its config.
+    others = [v for v in optimizer._variables if v is not variable]
+    position = next((i + 1 for i, v in enumerate(others) if v is optimizer._iterations), 0)
+    others.insert(position, variable)
+    optimizer._variables[:] = others
+    return variable, True
+
+
+def _inner(optimizer):
+    """The optimizer that owns the rate: a LossScaleOptimizer (mixed float16) delegates its
+    `learning_rate` to the one it wraps."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+class _NullScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def _variable_scope(model):
+    """Where the model's variables live: its tf.distribute strategy on TensorFlow."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if keras.backend.backend() == "tensorflow" and strategy is not None:
+        return strategy.scope()
+    return _NullScope()
+
+
+def _place_like(variable, reference) -> None:
+    """On JAX, lay the new variable out like the optimizer's others (replicated over the
+    mesh) when it was created outside the distribution's scope."""
+    if keras.backend.backend() != "jax":
+        return
+    layout = getattr(reference, "_layout", None)
+    if layout is not None and getattr(variable, "_layout", None) is None:
+        variable._layout = layout
+        variable.assign(variable.value)

@@ -1,0 +1,30 @@
+"""The examples in the docstrings of keras_accel.callbacks and keras_accel.io run.
+
+(The python blocks of docs/callbacks.md are run by tests/test_docs.py.)
+"""
+
+import doctest
+import importlib
+
+import pytest
+
+from keras_accel import io
+
+MODULES = [
+    "keras_accel.callbacks",
+    "keras_accel.callbacks.backup",
+    "keras_accel.callbacks.checkpoint",
+    "keras_accel.callbacks.history",
+    "keras_accel.callbacks.learning_rate",
+    "keras_accel.io",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    try:
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    finally:
+        if io.exists("memory://doc"):
+            io.rmtree("memory://doc")
+    assert result.failed == 0

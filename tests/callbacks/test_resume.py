@@ -1,0 +1,87 @@
+"""Exact resume, proven: SIGKILL a training process mid-epoch, start it again, and end with
+the weights, History and learning rates of a run that was never interrupted.
+
+Each run is its own process (tests/callbacks/_resume_script.py) on the backend under test,
+with 8 virtual CPU devices, seeded, training through `Accelerator.fit` with
+BackupAndRestore(save_freq=3 batches), History(per_step=True) and a step-mode
+LearningRateScheduler. Run B kills itself after batch 5 of epoch 1 (0-based); its last
+backup was taken after batch 4, so the resumed process must re-run 5 batches of epoch 1,
+restore, and continue from there.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_accel.schedules import PiecewiseConstant
+
+SCRIPT = pathlib.Path(__file__).with_name("_resume_script.py")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EPOCHS, STEPS_PER_EPOCH = 3, 7
+
+
+def _start(workdir, name, *extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(workdir), name, *extra],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _finish(run, timeout=400):
+    output, _ = run.communicate(timeout=timeout)
+    return run.returncode, output
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tmp_path, backend):
+    # The uninterrupted run and the first half of the killed one run side by side.
+    uninterrupted = _start(tmp_path, "A")
+    killed = _start(tmp_path, "B", "1:5")
+    code, output = _finish(killed)
+    assert code == -signal.SIGKILL, output
+    backups = sorted(os.listdir(tmp_path / "B.backup"))
+    assert "ckpt-e000001-b00000005" in backups, backups  # Mid-epoch: 5 batches into epoch 1.
+    assert [
+        row["epoch"] for row in json.loads((tmp_path / "B.history.json").read_text())["epochs"]
+    ] == [0]
+    resumed = _start(tmp_path, "B")
+    code, output = _finish(uninterrupted)
+    assert code == 0, output
+    code, output = _finish(resumed)
+    assert code == 0, output
+    assert "stale lock" in output  # The killed process's lock, taken over.
+
+    a, b = np.load(tmp_path / "A.weights.npz"), np.load(tmp_path / "B.weights.npz")
+    assert a.files == b.files
+    for key in a.files:
+        np.testing.assert_allclose(b[key], a[key], atol=1e-6, rtol=0, err_msg=key)
+    assert int(b["iterations"]) == EPOCHS * STEPS_PER_EPOCH
+
+    history_a = json.loads((tmp_path / "A.history.json").read_text())
+    history_b = json.loads((tmp_path / "B.history.json").read_text())
+    assert [row["epoch"] for row in history_b["epochs"]] == list(range(EPOCHS))
+    steps = history_b["steps"]
+    assert [row["step"] for row in steps] == list(range(EPOCHS * STEPS_PER_EPOCH))
+    # The learning rate continued the schedule at the right step after the resume.
+    schedule = PiecewiseConstant([0.1, 0.03, 0.01], boundaries=[0.3, 0.6], unit="fraction")
+    schedule = schedule.with_total_steps(EPOCHS * STEPS_PER_EPOCH)
+    expected = [float(schedule(row["step"])) for row in steps]
+    assert [row["learning_rate"] for row in steps] == pytest.approx(expected, abs=1e-7)
+    # Losses and metrics, per step and per epoch, are the uninterrupted run's.
+    for row_a, row_b in zip(history_a["steps"], steps, strict=True):
+        assert row_b["loss"] == pytest.approx(row_a["loss"], abs=1e-5)
+    for row_a, row_b in zip(history_a["epochs"], history_b["epochs"], strict=True):
+        for key in ("loss", "accuracy", "learning_rate"):
+            assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_b["epoch"], key)
+    assert not (tmp_path / "B.backup").exists()  # Deleted once training completed.
