@@ -384,7 +384,7 @@ class Accelerator:
                 callbacks=callbacks,
                 return_dict=return_dict,
             )
-        self.guard.mark_warm("test")
+        self.guard.mark_warm(model, "test")
         return result
 
     def predict(
@@ -405,7 +405,7 @@ class Accelerator:
             outputs = model.predict(
                 self._wrap(batches), verbose=verbose, steps=steps, callbacks=callbacks
             )
-        self.guard.mark_warm("predict")
+        self.guard.mark_warm(model, "predict")
         keep = _real_rows(batches)
         return keras.tree.map_structure(lambda a: a[keep], outputs)
 
@@ -445,9 +445,9 @@ class _EpochSync(keras.callbacks.Callback):
         # Keras calls a PyDataset's on_epoch_end itself; a tf.data pipeline needs us to.
         if not self.keras_ends_epochs and hasattr(self.batches, "on_epoch_end"):
             self.batches.on_epoch_end()
-        self.guard.mark_warm("train")
+        self.guard.mark_warm(self.model, "train")
         if logs and any(key.startswith("val_") for key in logs):
-            self.guard.mark_warm("test")
+            self.guard.mark_warm(self.model, "test")
 
 
 def _real_rows(batches) -> slice | np.ndarray:

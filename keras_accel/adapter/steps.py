@@ -42,44 +42,43 @@ class Trace:
 class RecompileGuard:
     """Counts step traces; after warm-up, warns once per new input signature.
 
-    Warm-up ends per step kind: for "train" after the first epoch of `fit`, for "test" and
-    "predict" after their first complete pass. A trace after that means a new compilation
-    (on a TPU, seconds to minutes) that static batching should have prevented.
+    Warm-up ends per model and step kind: for "train" after the first epoch of `fit`, for
+    "test" and "predict" after their first complete pass. A trace after that means a new
+    compilation (on a TPU, seconds to minutes) that static batching should have prevented.
     """
 
     def __init__(self, warn: bool = True):
         self.warn = warn
         self.traces: list[Trace] = []
-        self._warm: set[str] = set()
-        self._signatures: dict[str, set] = {kind: set() for kind in STEP_KINDS}
+        self._warm: set[tuple[int, str]] = set()
+        self._signatures: set[tuple[int, str, str]] = set()
         self._lock = threading.Lock()
 
     @property
     def num_recompiles(self) -> int:
-        """Distinct new input signatures traced after warm-up, over all step kinds."""
+        """Distinct new input signatures traced after warm-up, over all models and steps."""
         return sum(1 for trace in self.traces if trace.after_warmup)
 
-    def mark_warm(self, kind: str) -> None:
-        self._warm.add(kind)
+    def mark_warm(self, model, kind: str) -> None:
+        self._warm.add((id(model), kind))
 
-    def record(self, kind: str, data: Any) -> None:
+    def record(self, model, kind: str, data: Any) -> None:
         shapes = _shapes(data)
-        key = repr(shapes)
+        key = (id(model), kind, repr(shapes))
         with self._lock:
             # Under tf.distribute one trace runs the step once per replica, with the same
             # shapes: those count once.
-            if key in self._signatures[kind]:
+            if key in self._signatures:
                 return
-            self._signatures[kind].add(key)
-            trace = Trace(kind, shapes, after_warmup=kind in self._warm)
+            self._signatures.add(key)
+            trace = Trace(kind, shapes, after_warmup=(id(model), kind) in self._warm)
             self.traces.append(trace)
         if trace.after_warmup and self.warn:
             warnings.warn(
                 f"keras_accel: `{kind}_step` was traced again after warm-up, for input shapes "
                 f"{shapes}; every new shape costs a new compilation. Feed batches through the "
                 "Accelerator (acc.fit / acc.evaluate / acc.predict / acc.dataset), which keeps "
-                "them one static shape. Recompiles so far: "
-                f"{self.num_recompiles}.",
+                f"them one static shape. Recompiles so far: {self.num_recompiles}.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -108,7 +107,7 @@ def instrument(model, guard: RecompileGuard) -> None:
             # JAX steps are `step(state, data)`, TF and torch steps `step(data)`.
             data = args[-1]
             if not model.run_eagerly:
-                getattr(model, _INSTRUMENTED).record(_kind, data)
+                getattr(model, _INSTRUMENTED).record(model, _kind, data)
             # Training mode needs the mask for BatchNormalization, every mode for metrics.
             token = ROW_MASK.set(_row_mask(data))
             try:

@@ -205,3 +205,14 @@ def test_saved_weights_are_the_weights_that_were_used(tmp_path):
     np.testing.assert_allclose(
         acc.predict(model, x, verbose=0), np.asarray(twin(x, training=False)), atol=1e-5
     )
+
+
+def test_guard_warm_up_is_per_model():
+    acc = Accelerator(strategy="single")
+    first, second = compiled_mlp(), compiled_mlp()
+    x, _ = data(40)
+    acc.predict(first, x, batch_size=16, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        acc.predict(second, x, batch_size=16, verbose=0)  # its own first trace: warm-up
+    assert acc.num_recompiles == 0
