@@ -1,6 +1,7 @@
 """keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow.
 
-The public API is this short list and the subpackages `data`, `models` and `schedules`;
+The public API is this short list and the subpackages `callbacks`, `data`, `models` and
+`schedules`;
 everything else is internal.
 
 Example:
@@ -10,7 +11,7 @@ Example:
     True
 """
 
-from keras_accel import data, models, schedules
+from keras_accel import callbacks, data, models, schedules
 from keras_accel.adapter import STRATEGIES, Accelerator
 from keras_accel.utils.devices import configure_virtual_cpu_devices
 
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "STRATEGIES",
     "Accelerator",
+    "callbacks",
     "configure_virtual_cpu_devices",
     "data",
     "models",
