@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the CPU into N logical devices first (to try data parallelism on a laptop)",
     )
     env.set_defaults(run=_env)
+    from keras_accel.benchmark import cli as bench_cli
+
+    bench = commands.add_parser(
+        "bench",
+        help="time the seed models by batch size and backend, with MFU and OOM rows",
+        description="Time a model by batch size (and backend), each configuration in its own "
+        "process: seconds per epoch, microseconds per step, compile time, memory, MFU.",
+    )
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(run=bench_cli.run)
     return parser
 
 
