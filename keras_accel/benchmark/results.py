@@ -455,7 +455,11 @@ class BenchReport:
             ylabel="MFU (%)",
             title=f"{c.get('model')}: model FLOPs utilisation",
         )
+        sizes = sorted({r.batch_size for r in self.results})
         for axis in (left, right):
+            # Ticks at the batch sizes measured, written out (not 2x10^2).
+            axis.set_xticks(sizes, [str(size) for size in sizes])
+            axis.set_xticks([], minor=True)
             axis.grid(True, which="both", alpha=0.3)
             if axis.get_legend_handles_labels()[0]:
                 axis.legend()
