@@ -13,6 +13,7 @@ Example:
 
 from keras_accel import callbacks, data, models, schedules
 from keras_accel.adapter import STRATEGIES, Accelerator
+from keras_accel.benchmark import find_batch_size
 from keras_accel.utils.devices import configure_virtual_cpu_devices
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "callbacks",
     "configure_virtual_cpu_devices",
     "data",
+    "find_batch_size",
     "models",
     "schedules",
     "__version__",

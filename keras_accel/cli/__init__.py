@@ -1,1 +1,1 @@
-"""The `keras-accel` command line: `env` (what would run here) and, later, `bench`."""
+"""The `keras-accel` command line: `env` (what would run here) and `bench` (the seed sweep)."""
