@@ -7,11 +7,12 @@
 #
 #   --dry-run   check the wheels and print every command without installing or running.
 #
-# Keras comes from wheels carried in the checkout (copy /work/shared/gpu-wheels/*.whl into
-# .whl/, which git ignores; see that folder's README). Settings, from the environment:
+# Keras comes from wheels carried in the checkout (copy ../shared/gpu-wheels/*.whl, beside the
+# repository root, into .whl/, which git ignores; see that folder's README). Without .whl/ the
+# script looks in ../shared/gpu-wheels itself. Settings, from the environment:
 #
 #   OUT=$OUT or ./out/gpu_bench   where the Markdown, JSON, CSV and logs go
-#   WHEELS=.whl                   folder of keras/namex/optree wheels
+#   WHEELS=.whl                   folder of keras/namex/optree wheels (else ../shared/gpu-wheels)
 #   SITE=/tmp/site                where they are installed (pip --target)
 #   PYTHON=python3
 #   MODELS="mlp cnn"  PRECISIONS="float32 bfloat16"
@@ -38,7 +39,11 @@ done
 
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out/gpu_bench}
-WHEELS=${WHEELS:-.whl}
+SHARED_WHEELS=../shared/gpu-wheels  # The shared folder, relative to the repository root.
+if [ -z "${WHEELS:-}" ]; then
+  WHEELS=.whl
+  if ! compgen -G ".whl/*.whl" > /dev/null && [ -d "$SHARED_WHEELS" ]; then WHEELS=$SHARED_WHEELS; fi
+fi
 SITE=${SITE:-/tmp/site}
 MODELS=${MODELS:-mlp cnn}
 PRECISIONS=${PRECISIONS:-float32 bfloat16}
@@ -61,8 +66,9 @@ shopt -s nullglob
 wheels=("$WHEELS"/*.whl)
 shopt -u nullglob
 if [ "${#wheels[@]}" -eq 0 ]; then
-  say "error: no wheels in '$WHEELS'. Copy /work/shared/gpu-wheels/*.whl there (keras, namex,"
-  say "optree; see that folder's README) or set WHEELS=folder."
+  say "error: no wheels in '$WHEELS'. Copy ../shared/gpu-wheels/*.whl (beside the repository"
+  say "root; a user's checkout has none) into .whl/ (keras, namex, optree; see that folder's"
+  say "README), or set WHEELS=folder."
   exit 2
 fi
 to_install=()

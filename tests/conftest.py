@@ -1,9 +1,19 @@
 """Test set-up: pick the backend, split the CPU into 8 logical devices, guard the environment."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The suite must not depend on this machine's Keras home: a ~/.keras/keras.json naming another
+# backend, float16 or channels_first, an empty or read-only cache. Keras reads KERAS_HOME once,
+# at import; a fresh one per session (inherited by the subprocesses tests start) makes every
+# run see Keras's defaults.
+_KERAS_HOME = tempfile.mkdtemp(prefix="keras-accel-tests-home-")
+atexit.register(shutil.rmtree, _KERAS_HOME, ignore_errors=True)
+os.environ["KERAS_HOME"] = _KERAS_HOME
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

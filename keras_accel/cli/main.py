@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import sys
 
@@ -15,6 +16,24 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def backend_source() -> str:
+    """Where Keras took its backend from, in Keras's own order: the KERAS_BACKEND variable,
+    else the "backend" key of `keras.json` in the Keras home, else Keras's default."""
+    if os.environ.get("KERAS_BACKEND"):
+        return "from the KERAS_BACKEND environment variable"
+    from keras_accel.utils import keras_internals
+
+    config = os.path.join(keras_internals.keras_home(), "keras.json")
+    try:
+        with open(os.path.expanduser(config)) as f:
+            chosen = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        chosen = None
+    if chosen:
+        return f"from {config}; set KERAS_BACKEND to override"
+    return "Keras's default; set KERAS_BACKEND to choose"
+
+
 def env_report(devices: int | None = None) -> str:
     """What `keras-accel env` prints: backend, versions, devices, and what `auto` picks."""
     import keras
@@ -22,8 +41,7 @@ def env_report(devices: int | None = None) -> str:
     from keras_accel import Accelerator
 
     lines = [
-        f"KERAS_BACKEND: {keras.backend.backend()}"
-        + ("" if os.environ.get("KERAS_BACKEND") else " (default; set KERAS_BACKEND to choose)"),
+        f"KERAS_BACKEND: {keras.backend.backend()} ({backend_source()})",
         "versions: "
         + ", ".join(
             f"{name} {_version(dist)}"

@@ -12,7 +12,11 @@ from tests.benchmark.test_cli import BLOCK_TENSORFLOW
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_bench.sh"
-SHARED_WHEELS = pathlib.Path(os.environ.get("KERAS_ACCEL_WHEELS", "/work/shared/gpu-wheels"))
+# The shared folder sits beside the repository root where this project is developed; a user's
+# checkout has none, and the rehearsal then skips. KERAS_ACCEL_WHEELS points elsewhere.
+SHARED_WHEELS = pathlib.Path(
+    os.environ.get("KERAS_ACCEL_WHEELS", str(ROOT.parent / "shared" / "gpu-wheels"))
+)
 WHEEL_NAMES = [
     "keras-3.15.1-py3-none-any.whl",
     "namex-0.1.0-py3-none-any.whl",
@@ -66,7 +70,11 @@ def test_rehearsal_on_this_cpu_with_keras_from_the_wheels(backend, tmp_path):
     if backend != "jax":
         pytest.skip("the script is the JAX path")
     if not (SHARED_WHEELS / WHEEL_NAMES[0]).exists():
-        pytest.skip(f"no Keras wheel in {SHARED_WHEELS}")
+        pytest.skip(
+            f"no {WHEEL_NAMES[0]} in {SHARED_WHEELS} (the shared folder beside the repository "
+            "root, which a user's checkout does not have); set KERAS_ACCEL_WHEELS to a folder "
+            "of the wheels to run this rehearsal"
+        )
     (tmp_path / "block").mkdir()
     (tmp_path / "block" / "sitecustomize.py").write_text(BLOCK_TENSORFLOW)
     out = tmp_path / "out"

@@ -32,3 +32,37 @@ def test_console_script_with_virtual_devices(backend):
 def test_bad_virtual_device_count_is_a_clean_error(capsys):
     assert main(["env", "--virtual-devices", "0"]) == 2
     assert "Received: count=0" in capsys.readouterr().err
+
+
+def _env_in_subprocess(tmp_path, backend, keras_json=None, set_backend=False):
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    if keras_json is not None:
+        (home / "keras.json").write_text(keras_json)
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(home)
+    if set_backend:
+        env["KERAS_BACKEND"] = backend
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_accel.cli.main", "env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return next(line for line in result.stdout.splitlines() if line.startswith("KERAS_BACKEND"))
+
+
+def test_env_says_where_the_backend_came_from(tmp_path, backend):
+    # keras.json chose it: env names the file, not "default".
+    line = _env_in_subprocess(tmp_path, backend, keras_json=f'{{"backend": "{backend}"}}')
+    config = tmp_path / "keras_home" / "keras.json"
+    assert line == f"KERAS_BACKEND: {backend} (from {config}; set KERAS_BACKEND to override)"
+    # The variable wins over a keras.json that names the other backend.
+    other = "tensorflow" if backend == "jax" else "jax"
+    (tmp_path / "keras_home").rename(tmp_path / "old")
+    line = _env_in_subprocess(
+        tmp_path, backend, keras_json=f'{{"backend": "{other}"}}', set_backend=True
+    )
+    assert line == f"KERAS_BACKEND: {backend} (from the KERAS_BACKEND environment variable)"

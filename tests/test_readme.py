@@ -1,0 +1,55 @@
+"""The README's set-up commands are the ones CI runs, and they install the pinned versions."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _commands() -> list[str]:
+    return [m.strip() for m in re.findall(r"^    (pip install .+)$", README, flags=re.M)]
+
+
+def test_exactly_two_setup_commands_both_with_the_constraints():
+    commands = _commands()
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert command.startswith("pip install -c constraints.txt -e "), command
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = next(c for c in _commands() if "scripts/test.sh" in c)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"README_TEST_COMMAND='{test_command}'" in ci
+
+
+def test_constraints_pin_every_package_exactly():
+    lines = [
+        line
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    names = {re.split(r"==", line)[0].lower().replace("_", "-") for line in lines}
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line) for line in lines)
+    # What the suite needs is pinned, and keras_accel itself is not.
+    assert {"keras", "jax", "tensorflow", "keras-hub", "pytest", "ruff", "numpy"} <= names
+    assert "keras-accel" not in names
+
+
+def test_no_absolute_path_of_this_machine_in_the_project():
+    suffixes = {".py", ".md", ".sh", ".toml", ".txt", ".cfg"}
+    files = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in suffixes]
+    files += [ROOT / ".ci" / "run"]
+    pattern = re.compile(r"/work/|/home/\w+/|/Users/\w+/")
+    offenders = []
+    for path in files:
+        parts = path.relative_to(ROOT).parts
+        if parts[0] in {".git", "build", "dist"} or parts[0].endswith(".egg-info"):
+            continue
+        if path.name == "test_readme.py":
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
