@@ -38,12 +38,10 @@ def variable_groups(model) -> dict[str, list]:
 
 
 def _global_seed_generator():
-    try:
-        from keras.src.backend.common import global_state
-        from keras.src.random import seed_generator
-    except ImportError:  # A Keras without this private module: nothing to save.
-        return None
-    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    from keras_accel.utils import keras_internals
+
+    keras_internals.check()  # A Keras without it is an error that names the version.
+    return keras_internals.global_seed_generator()
 
 
 def to_numpy(variable) -> np.ndarray:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 import warnings
 import zipfile
@@ -17,6 +18,7 @@ import keras
 from keras_accel import io
 from keras_accel.callbacks import _state
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
+from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.utils import process
 
@@ -26,6 +28,12 @@ VARIABLES = "variables.npz"
 STATE = "state.json"
 COMMITTED = "COMMITTED"
 _NAME = re.compile(r"^ckpt-e(\d{6,})-b(\d{8,})$")
+# What `keras.callbacks.BackupAndRestore` writes into its backup_dir: the weights (with the
+# optimizer's variables) and {"epoch": ..., "batch": ...}, and with double_checkpoint=True the
+# previous pair as .bkp copies.
+KERAS_WEIGHTS = "latest.weights.h5"
+KERAS_METADATA = "training_metadata.json"
+KERAS_FILES = (KERAS_WEIGHTS, KERAS_METADATA, f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -59,6 +67,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     - **any path**: a local directory or a URL (`gs://`, `s3://`, `memory://`).
     - **chief only**: only the chief process writes, locks and deletes; every process
       restores.
+    - **Keras's backups**: a `backup_dir` written by `keras.callbacks.BackupAndRestore`
+      (`latest.weights.h5`, `training_metadata.json`, their `.bkp` copies) is resumed from,
+      with a warning: its weights, optimizer state and epoch, from the start of that epoch
+      as Keras would. The next backup replaces its files. Both kinds in one directory are
+      an error naming them. Keras's `_current_epoch`, `_last_batch_seen`, `_weights_path`
+      and `_training_metadata_path` (and `_prev_` ones) exist here too, the paths naming
+      the newest (and second newest) complete backup's files, None before there is one.
 
     The callback does not need `fit`: a custom loop can call `set_model`, `set_params`
     (`{"epochs": ..., "steps": ...}`) and the `on_*` hooks, or `save(epoch, batch)` and
@@ -110,9 +125,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         verbose: int = 0,
     ):
         super().__init__()
-        if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
+        # Keras's wording first (code may match it), then what would work.
+        if not backup_dir:
             raise ValueError(
-                f"`backup_dir` must be a non-empty path or URL. Received: backup_dir={backup_dir!r}"
+                f"Empty `backup_dir` argument passed. Received: backup_dir={backup_dir!r}. "
+                "Pass the directory (a path or a URL) to keep the backups in."
+            )
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise ValueError(
+                "`backup_dir` must be a path or URL string. "
+                f"Received: backup_dir={backup_dir!r} of type {type(backup_dir).__name__}"
             )
         if not (
             save_freq == "epoch"
@@ -120,8 +142,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             or (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0)
         ):
             raise ValueError(
-                "`save_freq` must be 'epoch', a positive number of batches, or False. "
-                f"Received: save_freq={save_freq!r}"
+                "Invalid value for argument `save_freq`. "
+                f"Received: save_freq={save_freq!r}. "
+                "Expected either 'epoch' or an integer value: a positive number of batches "
+                "(or False, to save only when `save()` is called)."
             )
         if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
             raise ValueError(
@@ -144,7 +168,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.verbose = verbose
         self._lock = DirectoryLock(backup_dir, lock_timeout, self)
         self._training = False
-        self._epoch = 0
+        # Keras's names and meaning (code and Keras's tests read them): the epoch in progress
+        # (after an epoch ends: the number of epochs done), and the index of the last training
+        # batch of this epoch (0 at the start of each epoch).
+        self._current_epoch = 0
+        self._last_batch_seen = 0
         self._steps_done = 0  # Training batches done, counted across epochs.
         self._last_saved = 0
         self._save_at_epoch_end = False
@@ -154,12 +182,25 @@ class BackupAndRestore(keras.callbacks.Callback):
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
         model = self.model
+        if not model.built:
+            # Keras's message, word for word: restoring needs the variables to exist.
+            raise ValueError(
+                "To use the BackupAndRestore callback, "
+                "you model must be built before you call `fit()`. "
+                f"Model {model} is unbuilt. You can build it "
+                "beforehand by calling it on a batch of data. (Or start it with a "
+                "`keras.Input(shape)`, or call `model.build(input_shape)`.)"
+            )
         self._training = True
-        self._epoch = 0
+        self._current_epoch = 0
+        self._last_batch_seen = 0
         self._steps_done = 0
         self._last_saved = 0
         self._save_at_epoch_end = False
         self._last_batch, self._batch_epoch = -1, None
+        # A fit interrupted during a mid-epoch replay leaves it pending: this fit starts anew.
+        self._replay = None
+        run_state(model).replay_epoch = None
         if process.is_chief():
             self._prepare_directory()
             self._lock.acquire(model)
@@ -172,18 +213,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._current_epoch = epoch
+        self._last_batch_seen = 0
 
     def on_train_batch_end(self, batch, logs=None):
         state = run_state(self._model)
-        if self._replay is not None and state.replaying(self._epoch, batch + 1):
+        if self._replay is not None and state.replaying(self._current_epoch, batch + 1):
             return  # Still before the restored position.
         if self._replay is not None:
             self._finish_replay()
+            self._last_batch_seen = batch
             return
-        previous = self._last_batch if self._epoch == self._batch_epoch else -1
+        previous = self._last_batch if self._current_epoch == self._batch_epoch else -1
         self._steps_done += batch - previous
-        self._last_batch, self._batch_epoch = batch, self._epoch
+        self._last_batch, self._batch_epoch = batch, self._current_epoch
+        self._last_batch_seen = batch
         if process.is_chief():
             self._lock.heartbeat()
         if not isinstance(self.save_freq, int) or self.save_freq is False:
@@ -195,10 +239,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             # The epoch's last batch: save after validation and the epoch's History row.
             self._save_at_epoch_end = True
             return
-        self.save(self._epoch, batch + 1)
+        self.save(self._current_epoch, batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         run_state(self._model).replay_epoch = None
+        self._current_epoch, self._last_batch_seen = epoch + 1, 0
         if self.save_freq == "epoch" or self._save_at_epoch_end:
             self._save_at_epoch_end = False
             self.save(epoch + 1, 0, logs=logs, finished_epoch=epoch)
@@ -256,7 +301,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._rotate()
         self._lock.heartbeat(force=True)
         if self.verbose > 0:
-            keras.utils.io_utils.print_msg(f"\nBackupAndRestore: saved {path}")
+            print_msg(f"\nBackupAndRestore: saved {path}")
         return path
 
     def _write_checkpoint(self, name: str, files: dict[str, bytes]) -> str:
@@ -295,11 +340,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         for name in self._listdir():
             if (_NAME.match(name) and name not in keep) or name.startswith(".tmp-ckpt-"):
                 _quietly(io.rmtree, io.join(self.backup_dir, name))
+            elif name in KERAS_FILES:
+                # A Keras backup this run resumed from: the complete backup just written
+                # holds a later state, as Keras's own next save would overwrite its file.
+                _quietly(io.remove, io.join(self.backup_dir, name))
 
     def _delete_all(self) -> None:
         for name in self._listdir():
             if _NAME.match(name) or name.startswith(".tmp-ckpt-"):
                 _quietly(io.rmtree, io.join(self.backup_dir, name))
+            elif name in KERAS_FILES:  # Training finished: Keras would delete them too.
+                _quietly(io.remove, io.join(self.backup_dir, name))
         remaining = [n for n in self._listdir() if n != LOCK_NAME]
         self._lock.release()
         if not remaining:
@@ -325,6 +376,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not io.isdir(self.backup_dir):
             return False
         names = self._checkpoint_names()
+        listed = set(self._listdir())
+        keras_files = [name for name in KERAS_FILES if name in listed]
+        if keras_files:
+            committed = self.checkpoints()
+            if committed:
+                raise RuntimeError(
+                    f"BackupAndRestore: backup_dir {self.backup_dir!r} holds a backup written "
+                    f"by keras.callbacks.BackupAndRestore ({', '.join(keras_files)}) and "
+                    f"backups written by keras_accel ({', '.join(map(io.basename, committed))})"
+                    ", so which one is newer is unclear. Move away the one not to resume from "
+                    "(Keras's files, or the ckpt-* directories), or use another backup_dir."
+                )
+            for name in names:  # keras_accel saves that never completed.
+                warnings.warn(
+                    f"BackupAndRestore: skipping the incomplete backup "
+                    f"{io.join(self.backup_dir, name)!r} (no {COMMITTED} marker: its save was "
+                    "interrupted).",
+                    stacklevel=2,
+                )
+            self._restore_keras(keras_files)
+            return True
         unusable = []
         for name in reversed(names):
             path = io.join(self.backup_dir, name)
@@ -397,13 +469,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         if batch:
             run.replay_epoch, run.replay_batch = epoch, batch
             self._replay = checkpoint
-        self._epoch = epoch
         self._steps_done = self._last_saved = int(state["steps_done"])
         self._last_batch, self._batch_epoch = batch - 1, epoch
+        self._current_epoch, self._last_batch_seen = epoch, max(batch - 1, 0)
         if self.verbose > 0:
-            keras.utils.io_utils.print_msg(
-                f"BackupAndRestore: restored {path} (epoch {epoch + 1}, batch {batch})"
-            )
+            print_msg(f"BackupAndRestore: restored {path} (epoch {epoch + 1}, batch {batch})")
 
     def _finish_replay(self) -> None:
         """The re-run batches reached the backup's position: assign its state again."""
@@ -416,6 +486,107 @@ class BackupAndRestore(keras.callbacks.Callback):
         # `replay_epoch` stays set until the epoch ends: callbacks after this one in the
         # list must still see this batch as a replayed one.
         run_state(model).restores += 1
+
+    def _restore_keras(self, found: list[str]) -> None:
+        """Resume from what `keras.callbacks.BackupAndRestore` wrote, as Keras would.
+
+        Its backup holds the weights with the optimizer's variables and the epoch to start
+        at (no metric totals, random states or History record); Keras starts that epoch from
+        its first batch, and so does this. As in Keras, a backup that fails to load falls
+        back to the `.bkp` pair of `double_checkpoint=True`. The next backup is written in
+        keras_accel's layout and replaces Keras's files.
+        """
+        pairs = [(KERAS_WEIGHTS, KERAS_METADATA), (f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")]
+        failures = []
+        for weights, metadata in pairs:
+            if weights not in found and metadata not in found:
+                continue
+            try:
+                epoch, batch = self._load_keras(
+                    weights if weights in found else None, metadata if metadata in found else None
+                )
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                failures.append(f"{weights}: {type(e).__name__}: {e}")
+                continue
+            break
+        else:
+            raise RuntimeError(
+                f"BackupAndRestore: backup_dir {self.backup_dir!r} holds a backup written by "
+                f"keras.callbacks.BackupAndRestore ({', '.join(found)}), but it cannot be "
+                f"loaded into this model: {'; '.join(failures)}. Resume it with the model it "
+                "was saved from, or move the files away to start from scratch."
+            )
+        model = self._model
+        steps = (self.params or {}).get("steps")
+        model._initial_epoch = epoch
+        run = run_state(model)
+        run.resumed_at = (epoch, 0)
+        run.restores += 1
+        self._current_epoch, self._last_batch_seen = epoch, 0
+        self._steps_done = self._last_saved = epoch * int(steps or 0)
+        self._last_batch, self._batch_epoch = -1, epoch
+        inside = (
+            f" It was taken {batch + 1} batches into epoch {epoch + 1}: Keras's backups do "
+            "not record enough to resume inside an epoch, so that epoch starts again from "
+            "its first batch, as with Keras's callback."
+            if batch
+            else ""
+        )
+        warnings.warn(
+            f"BackupAndRestore: resuming from a backup written by "
+            f"keras.callbacks.BackupAndRestore in {self.backup_dir!r} ({', '.join(found)}): "
+            f"the weights and optimizer state, starting at epoch {epoch + 1}.{inside} The next "
+            "backup is written in keras_accel's layout (ckpt-* directories) and replaces "
+            "these files.",
+            stacklevel=2,
+        )
+
+    def _load_keras(self, weights: str | None, metadata: str | None) -> tuple[int, int]:
+        """Load one Keras weights/metadata pair; `(epoch, batch)` from the metadata."""
+        model = self.model
+        epoch = batch = 0
+        if metadata is not None:
+            record = json.loads(io.read_text(io.join(self.backup_dir, metadata)))
+            epoch, batch = int(record["epoch"]), int(record.get("batch", 0))
+        if weights is not None:
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)  # Its variables are saved too.
+            with io.local_copy(io.join(self.backup_dir, weights)) as local:
+                if local.endswith(".weights.h5"):
+                    model.load_weights(local)
+                else:
+                    # Keras picks the format by the file name: give the .bkp copy the name
+                    # of the file it copies.
+                    with tempfile.TemporaryDirectory(prefix="keras_accel-") as directory:
+                        named = os.path.join(directory, KERAS_WEIGHTS)
+                        os.symlink(os.path.abspath(local), named)
+                        model.load_weights(named)
+        return epoch, batch
+
+    # ------------------------------------------------------------------ Keras's attributes
+    # Keras's BackupAndRestore keeps one backup at fixed paths (and the one before it, with
+    # double_checkpoint=True); code written for it, Keras's tests among it, reads them. Here
+    # they name the files of the newest and second-newest complete backup (the variables
+    # and the state, which holds the epoch and batch), or are None where there is none.
+    @property
+    def _weights_path(self) -> str | None:
+        return self._backup_file(1, VARIABLES)
+
+    @property
+    def _training_metadata_path(self) -> str | None:
+        return self._backup_file(1, STATE)
+
+    @property
+    def _prev_weights_path(self) -> str | None:
+        return self._backup_file(2, VARIABLES)
+
+    @property
+    def _prev_training_metadata_path(self) -> str | None:
+        return self._backup_file(2, STATE)
+
+    def _backup_file(self, newest: int, name: str) -> str | None:
+        complete = self.checkpoints()
+        return io.join(complete[-newest], name) if len(complete) >= newest else None
 
     # ------------------------------------------------------------------ directory
     def _prepare_directory(self) -> None:

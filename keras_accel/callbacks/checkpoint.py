@@ -8,6 +8,7 @@ import keras
 
 from keras_accel import io
 from keras_accel.callbacks import _saving
+from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.utils import process
 
@@ -98,11 +99,16 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             return
         if not process.is_chief():
             return
-        _saving.save(self.model, filepath, weights_only=self.save_weights_only)
+        try:
+            _saving.save(self.model, filepath, weights_only=self.save_weights_only)
+        except IsADirectoryError as e:
+            # Keras's wording (it raises an IOError here too), then ours.
+            raise IsADirectoryError(
+                "Please specify a non-directory filepath for ModelCheckpoint. Filepath used "
+                f"is an existing directory: {filepath}. {e}"
+            ) from e
         if self.verbose > 0:
-            keras.utils.io_utils.print_msg(
-                f"\nEpoch {epoch + 1}: finished saving model to {filepath}"
-            )
+            print_msg(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
         self._rotate(filepath)
 
     def _rotate(self, saved: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_accel import io
 from keras_accel.callbacks._run import run_state
+from keras_accel.callbacks.learning_rate import host_step
 from keras_accel.utils import process
 
 FORMAT = "keras_accel.History"
@@ -364,7 +365,7 @@ def _last_learning_rate(model) -> float | None:
         if isinstance(rate, keras.Variable):
             value = rate.numpy()
         elif isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
-            step = max(int(np.asarray(optimizer.iterations.numpy())) - 1, 0)
+            step = max(host_step(optimizer.iterations) - 1, 0)
             value = keras.ops.convert_to_numpy(rate(step))
         elif callable(rate):
             value = keras.ops.convert_to_numpy(rate())

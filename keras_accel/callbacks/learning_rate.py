@@ -10,6 +10,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.schedules import validate_learning_rate
 
@@ -45,7 +46,10 @@ class LearningRateScheduler(keras.callbacks.Callback):
     Args:
         schedule: a callable `(index) -> rate` or `(index, current_rate) -> rate`, where
             `index` is the epoch (`update_freq="epoch"`) or the optimizer step ("step").
-        verbose: 0 is silent; 1 prints a message when the rate changes.
+        verbose: 0 is silent; 1 prints Keras's message ("Epoch 3: LearningRateScheduler
+            setting learning rate to 0.01.") at every epoch, or in step mode whenever the
+            rate changes; to stdout, or to absl logging when
+            `keras.config.disable_interactive_logging()` was called, as Keras does.
         update_freq: "epoch" (default, as in Keras) or "step".
 
     Example: divide the learning rate by 10 at 50% of training, applied every step.
@@ -177,7 +181,7 @@ class LearningRateScheduler(keras.callbacks.Callback):
             or getattr(optimizer, "gradient_accumulation_steps", None)
         )
         if recount:
-            self._step = int(_host(optimizer.iterations))
+            self._step = host_step(optimizer.iterations)
             self._restores_seen = state.restores
         else:
             self._step += batch - self._last_batch
@@ -194,11 +198,12 @@ class LearningRateScheduler(keras.callbacks.Callback):
             value = schedule(index)
         rate = _check(value, index, unit, schedule)
         variable.assign(rate)
-        if self.verbose > 0 and rate != self._applied:
-            keras.utils.io_utils.print_msg(
-                f"\n{unit.capitalize()} {index + (1 if unit == 'epoch' else 0)}: "
-                f"LearningRateScheduler setting learning rate to {rate}."
-            )
+        # Keras's message, every epoch; in step mode only when the rate changes (one line
+        # per step would drown the progress bar). Keras numbers epochs from 1, steps from 0.
+        if self.verbose > 0 and (unit == "epoch" or rate != self._applied):
+            shown = value if isinstance(value, (float, np.floating)) else rate
+            label = f"Epoch {index + 1}" if unit == "epoch" else f"Step {index}"
+            print_msg(f"\n{label}: LearningRateScheduler setting learning rate to {shown}.")
         self._applied = rate
         state = run_state(model)
         state.learning_rate = rate
@@ -211,6 +216,23 @@ def _host(value) -> np.ndarray:
     if hasattr(value, "numpy"):
         return np.asarray(value.numpy())
     return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def host_step(iterations) -> int:
+    """The optimizer's iteration count as one Python int, read once on the host.
+
+    The count is replicated: under a tf.distribute strategy it is a MirroredVariable, and
+    what a read returns can hold one copy per replica. Every copy holds the same count, so
+    one is read; the schedule then gets a plain int, never a distributed variable (computing
+    a schedule on the variable itself and converting the result fails on MirroredStrategy).
+    """
+    array = _host(iterations).reshape(-1)
+    if array.size == 0 or not np.all(array == array[0]):
+        raise ValueError(
+            "The optimizer's iteration count must be one integer, the same on every replica. "
+            f"Received: iterations={array.tolist()}"
+        )
+    return int(array[0])
 
 
 def _passes_rate(schedule: Callable[..., Any]) -> bool:
@@ -243,6 +265,8 @@ def _check(value: Any, index: int, unit: str, schedule: Any) -> float:
         pass
     name = getattr(schedule, "__name__", None) or repr(schedule)
     raise ValueError(
+        # Keras's wording first, then which call and what would work.
+        f"The output of the `schedule` function should be a float. Got: {value}. "
         f"LearningRateScheduler: the schedule {name} returned an invalid learning rate for "
         f"{unit} {index}: a rate must be one finite number >= 0 (a Python or NumPy float, "
         f"or a one-element tensor). Received: value={value!r} (type "
@@ -265,7 +289,7 @@ def rate_variable(model) -> tuple[Any, bool]:
     if isinstance(current, keras.Variable):
         return current, False
     if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
-        initial = current(optimizer.iterations)
+        initial = current(host_step(optimizer.iterations))
     elif callable(current):
         initial = current()
     else:

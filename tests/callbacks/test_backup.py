@@ -2,7 +2,9 @@
 
 import json
 import os
+import pathlib
 import random
+import re
 import subprocess
 import sys
 import uuid
@@ -293,13 +295,192 @@ def test_non_chief_processes_write_nothing(tmp_path, monkeypatch):
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ValueError, match="backup_dir"):
-        BackupAndRestore("")
+    # Keras's wording first, as Keras's own tests match it; then what was received.
+    for empty in ("", None):
+        with pytest.raises(
+            ValueError,
+            match=rf"^Empty `backup_dir` argument passed\. "
+            rf"Received: backup_dir={empty!r}",
+        ):
+            BackupAndRestore(empty)
+    with pytest.raises(ValueError, match=r"must be a path or URL string.*backup_dir=3 of type int"):
+        BackupAndRestore(3)
     for save_freq in ("batch", 0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="save_freq"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^Invalid value for argument `save_freq`\. "
+            rf"Received: save_freq={re.escape(repr(save_freq))}\.",
+        ):
             BackupAndRestore("x", save_freq=save_freq)
     with pytest.raises(ValueError, match="max_to_keep"):
         BackupAndRestore("x", max_to_keep=0)
     with pytest.raises(ValueError, match="lock_timeout"):
         BackupAndRestore("x", lock_timeout=0)
     assert BackupAndRestore("x", double_checkpoint=True, max_to_keep=1).max_to_keep == 2
+
+
+def test_an_unbuilt_model_is_keras_error(tmp_path):
+    model = keras.Sequential([keras.layers.Dense(1)])  # No Input: no variables yet.
+    model.compile("sgd", "mse")
+    with pytest.raises(
+        ValueError,
+        match=r"^To use the BackupAndRestore callback, you model "
+        r"must be built before you call `fit\(\)`",
+    ):
+        _start(BackupAndRestore(str(tmp_path / "b")), model)
+    assert not (tmp_path / "b").exists()  # Nothing created, nothing locked.
+
+
+def test_keras_attribute_names(tmp_path):
+    """Keras's `_current_epoch`, `_last_batch_seen` and backup paths, read by code (and by
+    Keras's tests) written for Keras's callback."""
+    backup = BackupAndRestore(str(tmp_path), save_freq=2, delete_checkpoint=False)
+    _start(backup, _compiled_and_built(), steps=3)
+    assert backup._weights_path is None and backup._prev_weights_path is None
+    for epoch in range(2):
+        backup.on_epoch_begin(epoch)
+        assert (backup._current_epoch, backup._last_batch_seen) == (epoch, 0)
+        for batch in range(3):
+            backup.on_train_batch_end(batch)
+            assert backup._last_batch_seen == batch
+        backup.on_epoch_end(epoch)
+        assert (backup._current_epoch, backup._last_batch_seen) == (epoch + 1, 0)
+    # Every 2 batches, counted across epochs: after batch 2, after batch 4 (1 into the
+    # second epoch), and after batch 6, the end of the second epoch (saved as epoch 3's start).
+    assert [os.path.basename(p) for p in backup.checkpoints()] == [
+        "ckpt-e000000-b00000002",
+        "ckpt-e000001-b00000001",
+        "ckpt-e000002-b00000000",
+    ]
+    newest, previous = backup.checkpoints()[2], backup.checkpoints()[1]
+    assert backup._weights_path == os.path.join(newest, "variables.npz")
+    assert backup._training_metadata_path == os.path.join(newest, "state.json")
+    assert backup._prev_weights_path == os.path.join(previous, "variables.npz")
+    assert backup._prev_training_metadata_path == os.path.join(previous, "state.json")
+    metadata = json.loads(pathlib.Path(backup._prev_training_metadata_path).read_text())
+    assert (metadata["epoch"], metadata["batch"]) == (1, 1)
+    backup.on_train_end()
+
+
+# ---------------------------------------------------------------------------------------
+# A backup_dir written by keras.callbacks.BackupAndRestore.
+
+KERAS_FILES = [
+    "latest.weights.h5",
+    "latest.weights.h5.bkp",
+    "training_metadata.json",
+    "training_metadata.json.bkp",
+]
+
+
+class _Record(keras.callbacks.Callback):
+    """Weights and optimizer step at the start of training and at every epoch end, and what
+    backup_dir holds then."""
+
+    def __init__(self, folder=None):
+        super().__init__()
+        self.folder, self.at_end, self.listed = folder, {}, {}
+
+    def on_train_begin(self, logs=None):
+        self.at_start = (weights_of(self.model), int(self.model.optimizer.iterations.numpy()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.at_end[epoch] = weights_of(self.model)
+        if self.folder is not None:
+            self.listed[epoch] = sorted(os.listdir(self.folder))
+
+
+def _interrupted_keras_run(folder):
+    """Keras's own callback, interrupted at the start of epoch 3: its files are in folder."""
+    model = compiled_mlp()
+    record = _Record()
+    callbacks = [
+        keras.callbacks.BackupAndRestore(folder, double_checkpoint=True),
+        record,
+        Interrupt(2),
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(*data(24), batch_size=8, epochs=4, verbose=0, callbacks=callbacks)
+    assert sorted(os.listdir(folder)) == KERAS_FILES
+    return record
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
+def test_resumes_from_a_keras_backup(tmp_path):
+    folder = str(tmp_path / "backup")
+    keras_run = _interrupted_keras_run(folder)
+    model = compiled_mlp(seed=7)  # A new process: other initial weights.
+    record, history = _Record(folder), History()
+    with pytest.warns(
+        UserWarning,
+        match=r"resuming from a backup written by keras\.callbacks"
+        r"\.BackupAndRestore .*latest\.weights\.h5.*starting at epoch 3",
+    ):
+        model.fit(
+            *data(24),
+            batch_size=8,
+            epochs=4,
+            verbose=0,
+            callbacks=[BackupAndRestore(folder), record, history],
+        )
+    # Keras's weights and optimizer state after epoch 2 (3 steps an epoch), then epochs 3-4.
+    assert _same(record.at_start[0], keras_run.at_end[1]) and record.at_start[1] == 6
+    assert history.epoch == [2, 3] and int(model.optimizer.iterations.numpy()) == 12
+    # The first backup in keras_accel's layout replaced Keras's files; the end removed all.
+    assert record.listed[2] == [LOCK_NAME, "ckpt-e000003-b00000000"]
+    assert not os.path.exists(folder)
+
+
+def test_a_damaged_keras_backup_falls_back_to_its_previous_copy(tmp_path):
+    folder = str(tmp_path / "backup")
+    keras_run = _interrupted_keras_run(folder)
+    with open(os.path.join(folder, "latest.weights.h5"), "wb") as f:
+        f.write(b"0")  # As Keras's own test damages it.
+    model = _compiled_and_built(seed=7)
+    with pytest.warns(UserWarning, match="starting at epoch 2"):
+        _start(BackupAndRestore(folder), model)
+    assert _same(weights_of(model), keras_run.at_end[0]) and model._initial_epoch == 1
+
+
+def test_unloadable_keras_backup_names_the_files_and_keeps_them(tmp_path):
+    (tmp_path / "latest.weights.h5").write_bytes(b"not hdf5")
+    (tmp_path / "training_metadata.json").write_text('{"epoch": 3, "batch": 0}')
+    with pytest.raises(
+        RuntimeError,
+        match=r"keras\.callbacks\.BackupAndRestore "
+        r"\(latest\.weights\.h5, training_metadata\.json\), but it cannot be "
+        r"loaded.*latest\.weights\.h5: OSError",
+    ):
+        _start(BackupAndRestore(str(tmp_path)), _compiled_and_built())
+    assert sorted(os.listdir(tmp_path)) == ["latest.weights.h5", "training_metadata.json"]
+
+
+def test_keras_and_keras_accel_backups_in_one_directory_is_an_error(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    _start(backup, _compiled_and_built())
+    backup.save(1, 0)
+    backup.on_train_end()
+    (tmp_path / "training_metadata.json").write_text('{"epoch": 3, "batch": 0}')
+    with pytest.raises(
+        RuntimeError,
+        match=r"\(training_metadata\.json\) and backups written by "
+        r"keras_accel \(ckpt-e000001-b00000000\).*Move away the one",
+    ):
+        _start(BackupAndRestore(str(tmp_path)), _compiled_and_built())
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_verbose_prints_saves_and_restores(tmp_path, capsys):
+    backup = BackupAndRestore(str(tmp_path), verbose=1, delete_checkpoint=False)
+    _start(backup, _compiled_and_built())
+    path = backup.save(1, 0)
+    backup.on_train_end()
+    restored = BackupAndRestore(str(tmp_path), verbose=1)
+    _start(restored, _compiled_and_built())
+    restored.on_train_end()
+    assert capsys.readouterr().out == (
+        f"\nBackupAndRestore: saved {path}\nBackupAndRestore: restored {path} (epoch 2, batch 0)\n"
+    )

@@ -11,7 +11,7 @@ from keras_accel import Accelerator, io
 from keras_accel.callbacks import ModelCheckpoint, _saving
 from keras_accel.utils import process
 from tests.callbacks.conftest import EPOCHS
-from tests.helpers import assert_weights_close, compiled_mlp
+from tests.helpers import assert_weights_close, compiled_mlp, data
 
 
 def test_rotation_keeps_the_newest_files_on_remote_storage(trained_run):
@@ -134,3 +134,33 @@ def test_bad_arguments(tmp_path):
     (tmp_path / "dir.keras").mkdir()
     with pytest.raises(IsADirectoryError, match="existing directory"):
         _saving.save(compiled_mlp(), str(tmp_path / "dir.keras"), weights_only=False)
+
+
+def test_verbose_prints_keras_messages_and_saves(tmp_path, capsys):
+    """verbose=1 used to raise after writing the file, which aborted fit."""
+    path = tmp_path / "e{epoch}.weights.h5"
+    model = compiled_mlp()
+    model.fit(
+        *data(16),
+        epochs=1,
+        verbose=0,
+        callbacks=[ModelCheckpoint(str(path), save_weights_only=True, verbose=1)],
+    )
+    saved = str(tmp_path / "e1.weights.h5")
+    assert os.listdir(tmp_path) == ["e1.weights.h5"]
+    assert capsys.readouterr().out == (
+        f"\nEpoch 1: saving model to {saved}\n\nEpoch 1: finished saving model to {saved}\n"
+    )
+
+
+def test_existing_directory_error_keeps_keras_wording(tmp_path):
+    (tmp_path / "dir.keras").mkdir()
+    checkpoint = ModelCheckpoint(str(tmp_path / "dir.keras"), monitor="loss")
+    checkpoint.set_model(compiled_mlp())
+    checkpoint.on_epoch_begin(0)
+    with pytest.raises(
+        IOError,
+        match=r"^Please specify a non-directory filepath for "
+        r"ModelCheckpoint\. Filepath used is an existing directory: .*dir\.keras",
+    ):
+        checkpoint.on_epoch_end(0, {"loss": 0.5})

@@ -1,5 +1,6 @@
 """LearningRateScheduler: the rate each step really used, on 8 replicas, on both backends."""
 
+import logging
 import math
 import warnings
 
@@ -9,6 +10,7 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.callbacks import History, LearningRateScheduler
+from keras_accel.callbacks.learning_rate import host_step
 from keras_accel.schedules import PiecewiseConstant, WarmupCosine
 from tests.callbacks._probe import UsedRates, prediction_loss, probe_data, probe_model
 
@@ -210,3 +212,109 @@ def test_loss_scale_optimizer_sets_the_wrapped_rate():
     _driven(callback, model=model)
     callback.on_epoch_begin(0)
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+
+
+# ---------------------------------------------------------------------------------------
+# Keras's messages (verbose=1), where Keras sends them.
+
+
+def test_verbose_prints_keras_message_every_epoch(capsys):
+    callback = LearningRateScheduler(lambda epoch: 0.5, verbose=1)
+    _driven(callback)
+    callback.on_epoch_begin(0)
+    callback.on_epoch_begin(1)  # Same rate: Keras prints every epoch all the same.
+    assert capsys.readouterr().out == (
+        "\nEpoch 1: LearningRateScheduler setting learning rate to 0.5.\n"
+        "\nEpoch 2: LearningRateScheduler setting learning rate to 0.5.\n"
+    )
+
+
+def test_verbose_goes_to_absl_logging_when_interactive_logging_is_off(capsys, caplog):
+    callback = LearningRateScheduler(lambda epoch, lr: 0.25, verbose=1)
+    _driven(callback)
+    keras.config.disable_interactive_logging()
+    try:
+        with caplog.at_level(logging.INFO, logger="absl"):
+            callback.on_epoch_begin(2)
+    finally:
+        keras.config.enable_interactive_logging()
+    assert capsys.readouterr().out == ""
+    assert caplog.messages == ["\nEpoch 3: LearningRateScheduler setting learning rate to 0.25."]
+
+
+def test_verbose_in_step_mode_prints_when_the_rate_changes(capsys):
+    callback = LearningRateScheduler(
+        lambda step: 0.1 if step < 2 else 0.01, update_freq="step", verbose=1
+    )
+    _driven(callback)
+    callback.on_epoch_begin(0)
+    for batch in range(4):
+        callback.on_train_batch_begin(batch)
+    assert capsys.readouterr().out == (
+        "\nStep 0: LearningRateScheduler setting learning rate to 0.1.\n"
+        "\nStep 2: LearningRateScheduler setting learning rate to 0.01.\n"
+    )
+
+
+def test_verbose_fit_prints_keras_message(capsys):
+    """A whole `fit` with verbose=1 (Keras 3.15's own test of this crashed here before)."""
+    model = probe_model(keras.optimizers.SGD(0.2))
+    model.fit(
+        *probe_data(16),
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[LearningRateScheduler(lambda epoch, lr: lr / 2, verbose=1)],
+    )
+    # As Keras prints it: the schedule's value, from the float32 rate read as a float.
+    first = float(np.float32(0.2)) / 2
+    second = float(np.float32(first)) / 2
+    assert capsys.readouterr().out == (
+        f"\nEpoch 1: LearningRateScheduler setting learning rate to {first}.\n"
+        f"\nEpoch 2: LearningRateScheduler setting learning rate to {second}.\n"
+    )
+
+
+def test_bad_value_starts_with_keras_wording():
+    callback = LearningRateScheduler(lambda epoch: "fast")
+    _driven(callback)
+    with pytest.raises(
+        ValueError,
+        match=r"^The output of the `schedule` function should be a "
+        r"float\. Got: fast\. .*for epoch 0",
+    ):
+        callback.on_epoch_begin(0)
+
+
+# ---------------------------------------------------------------------------------------
+# An optimizer built with a Keras schedule, stepped on 8 replicas.
+
+
+@pytest.mark.parametrize("how", ["acc.fit", "model.fit in scope"])
+def test_step_mode_on_a_schedule_built_optimizer_on_replicas(how, num_devices):
+    """The rate of every step, read back from the weights, on 8 replicas: the optimizer's
+    ExponentialDecay is replaced by a variable, computed from one host-side step count (a
+    MirroredVariable under tf.distribute), then set before each step."""
+    acc = Accelerator(seed=0)
+    assert acc.num_replicas == num_devices
+    with acc.scope():
+        decay = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+        model = probe_model(keras.optimizers.SGD(decay))
+    used = UsedRates()
+    callbacks = [LearningRateScheduler(lambda step: 0.1 / (1 + step), update_freq="step"), used]
+    if how == "acc.fit":
+        acc.fit(model, *probe_data(40), batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
+    else:
+        with acc.scope():
+            model.fit(*probe_data(32), batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
+    steps = len(used.rates)
+    assert steps == (6 if how == "acc.fit" else 4)  # 3 (last one padded) or 2 steps an epoch.
+    assert used.steps == list(range(steps))
+    np.testing.assert_allclose(used.rates, [0.1 / (1 + s) for s in range(steps)], atol=2e-7)
+
+
+def test_host_step_reads_one_count_of_replicated_copies():
+    assert host_step(np.array(7)) == 7
+    assert host_step(np.array([5, 5, 5, 5, 5, 5, 5, 5])) == 5  # One copy per replica.
+    with pytest.raises(ValueError, match=r"the same on every replica.*\[5, 6\]"):
+        host_step(np.array([5, 6]))
