@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from typing import Any
 
 import keras
 import numpy as np
 
 from keras_accel.adapter import backends
-from keras_accel.adapter.batchnorm import patch_batchnorm
-from keras_accel.adapter.steps import RecompileGuard, instrument, mask_unweighted_metrics
+from keras_accel.adapter.guard import RecompileGuard
+from keras_accel.adapter.session import FunctionCache, Session
+from keras_accel.adapter.steps import StepContract, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.data import sources
-from keras_accel.data.batching import REMAINDER_POLICIES
-from keras_accel.utils import process
+from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
+from keras_accel.utils import keras_internals, process
 from keras_accel.utils.seed import set_random_seed
 
 MIXED_PRECISION = {
@@ -52,8 +55,11 @@ class Accelerator:
             weights and shuffles the same way.
         layout_map: a `keras.distribution.LayoutMap` for "model_parallel" (JAX); by default
             Dense kernels are sharded over the "model" axis.
-        remainder: what training does with the last, partial batch: "pad" (default; padded
-            with zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch).
+        remainder: what training does with the last, partial batch: "pad" (padded with
+            zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch). The
+            default, None, pads, except where the step cannot be told which rows are
+            padding (a model that overrides `train_step` and gets no sample weights, or
+            training without targets): then the last partial batch is dropped, with a note.
 
     Example:
         >>> import keras, numpy as np
@@ -76,7 +82,7 @@ class Accelerator:
         mixed_precision: str | None = None,
         seed: int | None = None,
         layout_map: Any = None,
-        remainder: str = "pad",
+        remainder: str | None = None,
     ):
         check_strategy_name(strategy)
         if mixed_precision not in MIXED_PRECISION:
@@ -85,7 +91,7 @@ class Accelerator:
                 f"Unknown mixed_precision. Received: mixed_precision={mixed_precision!r}. "
                 f"Valid values: None, {', '.join(repr(v) for v in valid)}."
             )
-        if remainder not in REMAINDER_POLICIES:
+        if remainder is not None and remainder not in REMAINDER_POLICIES:
             raise ValueError(
                 f"`remainder` must be one of {REMAINDER_POLICIES}. "
                 f"Received: remainder={remainder!r}"
@@ -101,16 +107,16 @@ class Accelerator:
                 stacklevel=2,
             )
             strategy = "single"
-        if self._backend == "tensorflow":
-            inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
-        else:
-            inventory = self._module.inventory()
+        inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
         self._plan = resolve(strategy, inventory, devices=devices, mesh_shape=mesh_shape)
         self._runtime = self._module.build(self._plan, layout_map)
         self._policy = MIXED_PRECISION[mixed_precision]
         self.seed = seed
         self.remainder = remainder
         self.guard = RecompileGuard()
+        self._functions = FunctionCache()
+        # The batch size fit last used per model: evaluate and predict default to it.
+        self._batch_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         if seed is not None:
             set_random_seed(seed)
 
@@ -214,7 +220,7 @@ class Accelerator:
         training: bool = True,
         remainder: str | None = None,
     ):
-        """Static-shape batches that `model.fit` (or `evaluate`, `predict`) accepts directly.
+        """Static-shape batches that a plain `model.fit` (or `evaluate`, `predict`) accepts.
 
         Args:
             x, y, sample_weight, class_weight: as in `model.fit`. `x` may also be a
@@ -229,19 +235,20 @@ class Accelerator:
 
         Returns:
             A `keras.utils.PyDataset` or a `tf.data.Dataset` of `(x, y, sample_weight)`
-            batches, or `(x,)` when there are no targets.
+            batches (padding rows weighted 0), or `(x,)` when there are no targets.
+            BatchNormalization and the unweighted compiled `metrics=` see padding rows in a
+            plain `model.fit`; `acc.fit` keeps them out of both.
         """
+        remainder = remainder or self.remainder or "pad"
         batches = self._batches(
             x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder
         )
-        return self._wrap(batches)
+        return self._runtime.wrap(batches, carry_mask=False)
 
     def _batches(self, x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder):
-        remainder = self.remainder if remainder is None else remainder
         if not training:
             remainder = "pad"  # Evaluation and prediction must see every row.
-        streaming = sources.is_py_dataset(x) or sources.is_tf_dataset(x)
-        if streaming:
+        if not sources.is_array_input(x):
             extra = {
                 "y": y,
                 "batch_size": batch_size,
@@ -279,28 +286,129 @@ class Accelerator:
                 seed=self.seed,
                 class_weight=class_weight,
             )
-            if y is None and training and _pads(batches):
-                raise ValueError(
-                    "Without targets (y=None) padding rows cannot be weighted out of the loss, "
-                    f"but {batches.num_samples} samples in batches of {batches.plan.batch_size} "
-                    f"over {self.num_replicas} replicas need padding. Pass y, or use a "
-                    "batch_size that is a multiple of the replica count with remainder='drop'."
-                )
-        _warn_if_indivisible(batches.plan.batch_size, batches.static_rows, self.num_replicas)
+        _warn_if_indivisible(batches.plan.batch_size, batches.plan.static_rows, self.num_replicas)
         return batches
+
+    def _training_batches(self, model, x, y, batch_size, shuffle, sample_weight, class_weight):
+        """The training batches, with the remainder policy for steps that cannot be told
+        which rows are padding: without targets nothing weights padding out of a loss, and a
+        model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
+
+        def make(remainder):
+            return self._batches(
+                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder
+            )
+
+        batches = make(self.remainder or "pad")
+        builtin = not overrides(model, "train")
+        if builtin and not batches.has_targets and getattr(model, "_compile_loss", None):
+            raise ValueError(
+                f"{type(model).__name__} was compiled with a loss, which needs targets, but "
+                "fit got none. Received: y=None. Pass y (or a data set that yields (x, y)), "
+                "or compile without `loss=` if the model adds its own losses (add_loss)."
+            )
+        custom = not builtin and not batches.weighted
+        blind = not batches.has_targets or custom
+        if not blind or not batches.plan.pads:
+            return batches
+        plan = batches.plan
+        reason = (
+            "there are no targets to weight padding rows out of the loss"
+            if not batches.has_targets
+            else f"{type(model).__name__} overrides train_step and gets (x, y) batches"
+        )
+        if self.remainder is None and plan.static_rows == plan.batch_size:
+            dropped = make("drop")
+            rows = plan.num_samples - dropped.plan.rows_seen
+            warnings.warn(
+                f"keras_accel: {reason}, so the last partial batch ({rows} of "
+                f"{plan.num_samples} rows, a new draw every epoch when shuffling) is dropped "
+                "(remainder='drop'). Pass Accelerator(remainder='pad') to feed it padded, "
+                "weighted 0 in sample_weight, or a batch_size that divides the data.",
+                stacklevel=3,
+            )
+            return dropped
+        if self.remainder == "pad" and batches.has_targets:
+            return batches  # Asked for: padding reaches the step as sample_weight 0.
+        raise ValueError(
+            f"keras_accel: {reason}, but {plan.num_samples} rows in batches of "
+            f"{plan.batch_size} over {self.num_replicas} replicas need padding rows in "
+            f"{'every batch' if plan.static_rows != plan.batch_size else 'the last batch'}. "
+            f"Use a batch_size that is a multiple of {self.num_replicas}"
+            + (" (the last partial batch is then dropped)" if batches.has_targets else "")
+            + (
+                ", or Accelerator(remainder='pad') to pass padding rows to the step with "
+                "sample_weight 0 (the step must honour sample_weight)."
+                if batches.has_targets
+                else "; and pass y, or remainder='drop'."
+            )
+        )
+
+    def _contract(self, batches) -> StepContract:
+        plan = batches.plan
+        if plan.static_rows != plan.batch_size:
+            padding = f", each padded to {plan.static_rows} rows for {self.num_replicas} replicas"
+        else:
+            padding = f" over {self.num_replicas} replica(s)"
+        return StepContract(
+            pass_weights=batches.has_targets and (batches.weighted or plan.pads),
+            user_weighted=batches.weighted,
+            padded=plan.pads,
+            description=f"{plan.num_samples} rows in batches of {plan.batch_size}{padding}",
+        )
 
     # ------------------------------------------------------------------ model
     def prepare(self, model: keras.Model) -> keras.Model:
-        """Check that `model` was built in `scope()` and install the static-batch machinery:
-        the recompile guard and BatchNormalization statistics over real rows, synchronized
-        across replicas. `fit`, `evaluate` and `predict` call this; it is idempotent."""
+        """Check that `model` can run on this Accelerator: a `keras.Model` built and compiled
+        in `scope()`, and a Keras that has every internal keras_accel relies on. `fit`,
+        `evaluate` and `predict` call this. It changes nothing on the model: what those
+        calls install lasts exactly as long as they run."""
         if not isinstance(model, keras.Model):
             raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
-        self._runtime.check_model(model)
-        instrument(model, self.guard)
-        mask_unweighted_metrics(model)
-        patch_batchnorm(model, self._runtime.all_reduce_sum)
+        keras_internals.check()
+        runtime = self._runtime
+        if runtime.native is None:
+            return model
+        where = "`with acc.scope():` so its variables are laid out over the devices"
+        detail = runtime.model_misplaced(model)
+        if detail is not None:
+            raise RuntimeError(
+                f"The model was built outside `acc.scope()`: {detail}, but this Accelerator "
+                f"spreads work over {self.num_replicas} replicas. Build and compile it inside "
+                f"{where}."
+            )
+        for stage, variables in _variables_by_stage(model):
+            for variable in variables:
+                detail = runtime.variable_misplaced(variable)
+                if detail is not None:
+                    raise RuntimeError(
+                        f"The model was {stage} outside `acc.scope()`: its variable "
+                        f"{variable.path!r} {detail}, but this Accelerator spreads work over "
+                        f"{self.num_replicas} replicas. "
+                        + (
+                            "Compile it (again) inside "
+                            if stage == "compiled"
+                            else "Build and compile it inside "
+                        )
+                        + f"{where}."
+                    )
         return model
+
+    def _session(self, model, contracts, data, first_contract, patch=None) -> Session:
+        first = (
+            None
+            if first_contract is None
+            else functools.partial(_first_batch, data, first_contract)
+        )
+        return Session(
+            model,
+            contracts,
+            self._runtime,
+            self.guard.record,
+            self._functions,
+            first_batch=first,
+            patch=patch,
+        )
 
     def fit(
         self,
@@ -325,6 +433,7 @@ class Accelerator:
         """`model.fit` on every device, with static batches. Same arguments and return value
         (a `keras.callbacks.History`) as Keras."""
         self.prepare(model)
+        x = _standardize_inputs(model, x)
         if validation_split:
             if validation_data is not None:
                 raise ValueError(
@@ -332,26 +441,36 @@ class Accelerator:
                     f"validation_split={validation_split} and validation_data."
                 )
             (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
-        train = self._batches(x, y, batch_size, shuffle, sample_weight, class_weight, True, None)
-        object.__setattr__(model, _BATCH_SIZE, train.plan.batch_size)
+        train = self._training_batches(
+            model, x, y, batch_size, shuffle, sample_weight, class_weight
+        )
+        self._batch_sizes[model] = train.plan.batch_size
         val = None
         if validation_data is not None:
             vx, vy, vsw = _unpack(validation_data)
-            vbatch = (validation_batch_size or batch_size) if _is_array(vx) else None
+            vx = _standardize_inputs(model, vx)
+            vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
             val = self._batches(vx, vy, vbatch, False, vsw, None, False, None)
-        train_data = self._wrap(train)
+            _check_evaluation(val, "validation_data")
+        preprocess = _preprocessor(model)
+        train_data = self._runtime.wrap(train, True, preprocess)
+        contracts = {"train": self._contract(train)}
+        if val is not None:
+            contracts["test"] = self._contract(val)
         sync = _EpochSync(
             self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
         )
-        with self.scope():
-            return model.fit(
+        steps = steps_per_epoch or len(train)
+        bind = functools.partial(_bind_schedule, model, int(epochs) * steps, steps)
+        with self.scope(), self._session(model, contracts, train_data, contracts["train"], bind):
+            return _keras(model, "fit")(
                 train_data,
                 epochs=epochs,
                 verbose=verbose,
                 # Rows are shuffled per epoch by our batches; Keras must keep their order.
                 shuffle=False,
                 callbacks=[sync, *(callbacks or [])],
-                validation_data=None if val is None else self._wrap(val),
+                validation_data=None if val is None else self._runtime.wrap(val, True, preprocess),
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
                 validation_steps=validation_steps,
@@ -374,15 +493,15 @@ class Accelerator:
         single-device result: padding rows carry weight 0, real rows a uniform weight.
         `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
-        batch_size = _default_batch_size(model, x, batch_size)
+        x = _standardize_inputs(model, x)
+        batch_size = self._default_batch_size(model, x, batch_size)
         batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None)
-        with self.scope():
-            result = model.evaluate(
-                self._wrap(batches),
-                verbose=verbose,
-                steps=steps,
-                callbacks=callbacks,
-                return_dict=return_dict,
+        _check_evaluation(batches, "x")
+        contract = self._contract(batches)
+        data = self._runtime.wrap(batches, True, _preprocessor(model))
+        with self.scope(), self._session(model, {"test": contract}, data, contract):
+            result = _keras(model, "evaluate")(
+                data, verbose=verbose, steps=steps, callbacks=callbacks, return_dict=return_dict
             )
         self.guard.mark_warm(model, "test")
         return result
@@ -399,31 +518,125 @@ class Accelerator:
         """`model.predict` on every device: exactly one output row per input row, in order.
         `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
-        batch_size = _default_batch_size(model, x, batch_size)
+        x = _standardize_inputs(model, x)
+        batch_size = self._default_batch_size(model, x, batch_size)
         batches = self._batches(x, None, batch_size, False, None, None, False, None)
-        with self.scope():
-            outputs = model.predict(
-                self._wrap(batches), verbose=verbose, steps=steps, callbacks=callbacks
+        data = self._runtime.wrap(batches, True, _preprocessor(model))
+        contracts = {"predict": StepContract(pass_weights=False)}
+        # Prediction batches are `(x,)`, as Keras's own: nothing to build them from for us.
+        with self.scope(), self._session(model, contracts, data, None):
+            outputs = _keras(model, "predict")(
+                data, verbose=verbose, steps=steps, callbacks=callbacks
             )
         self.guard.mark_warm(model, "predict")
-        keep = _real_rows(batches)
+        keep = _real_rows(batches.plan)
         return keras.tree.map_structure(lambda a: a[keep], outputs)
 
-    def _wrap(self, batches):
-        # A tf.data input is padded in its own graph already; the rest is wrapped per backend.
-        ready = getattr(batches, "fit_input", None)
-        return ready if ready is not None else self._runtime.wrap(batches)
+    def _default_batch_size(self, model, x, batch_size):
+        """Evaluation and prediction default to the training batch size: the step programs
+        are then compiled for one batch shape, instead of a second one for Keras's 32."""
+        if batch_size is not None or not sources.is_array_input(x):
+            return batch_size
+        return self._batch_sizes.get(model)
 
 
-_BATCH_SIZE = "_keras_accel_batch_size"
+def _keras(model, name: str):
+    """The Keras method to call: the model's own, except for a keras-hub pipeline model,
+    whose fit/evaluate/predict would preprocess our batches a second time: we preprocess
+    (see `_preprocessor`) and call Keras's."""
+    if _is_pipeline(model):
+        return functools.partial(getattr(keras.Model, name), model)
+    return getattr(model, name)
 
 
-def _default_batch_size(model, x, batch_size):
-    """Evaluation and prediction default to the training batch size: the step programs are
-    then compiled for one batch shape, instead of a second one for Keras's default of 32."""
-    if batch_size is not None or not _is_array(x):
-        return batch_size
-    return getattr(model, _BATCH_SIZE, None)
+def _is_pipeline(model) -> bool:
+    # keras-hub's PipelineModel (every task: BertTextClassifier, ...), found by what it does
+    # rather than by import, so that keras_accel never imports keras-hub itself.
+    return callable(getattr(model, "preprocess_samples", None)) and (
+        type(model).fit is not keras.Model.fit
+    )
+
+
+def _preprocessor(model):
+    """`preprocess_samples(x, y, sample_weight)` of a keras-hub task with a preprocessor."""
+    if not _is_pipeline(model):
+        return None
+    if hasattr(model, "preprocessor") and model.preprocessor is None:
+        return None
+    return model.preprocess_samples
+
+
+def _standardize_inputs(model, x):
+    """Array inputs as numpy; and `[x]` or `(x,)` for a model with one input is `x`, as
+    Keras's functional models read it (a one-element list of inputs would otherwise be a
+    structure of its own)."""
+    if x is None or not sources.is_array_input(x):
+        return x
+    x = sources.to_numpy(x, "x")
+    if isinstance(x, (list, tuple)) and len(x) == 1 and sources.is_array_input(x[0]):
+        inputs = getattr(model, "inputs", None)
+        try:
+            single = inputs is not None and len(inputs) == 1
+        except (TypeError, ValueError, AttributeError):
+            single = False
+        if single and hasattr(x[0], "shape"):
+            return x[0]
+    return x
+
+
+def _check_evaluation(batches, name: str) -> None:
+    if not batches.has_targets and batches.plan.pads:
+        plan = batches.plan
+        raise ValueError(
+            f"Without targets, padding rows cannot be weighted out of an evaluation, but "
+            f"`{name}` has {plan.num_samples} rows in batches of {plan.batch_size}, which "
+            f"need padding over the replicas. Pass targets, or a batch_size that divides "
+            "the number of rows and is a multiple of the replica count."
+        )
+
+
+def _first_batch(data, contract: StepContract):
+    """The first batch of `data` as the model's step sees it (arrays, or tf.data tensors),
+    for Keras's symbolic build; text is described as a "string" tensor, which Keras reads
+    where numpy's `str`/`object` dtypes are refused."""
+    # A PyDataset, else a tf.data.Dataset.
+    is_py = isinstance(data, keras.utils.PyDataset)
+    element = data[0] if is_py else next(iter(data.take(1)))
+    element = keras.tree.map_structure(_symbolic_text, element)
+    x, y, sample_weight, _ = unpack(element)
+    if y is None:
+        return (x,)
+    return (x, y, sample_weight) if contract.pass_weights else (x, y)
+
+
+def _symbolic_text(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "OUS":
+        return keras.KerasTensor(leaf.shape, "string")
+    return leaf
+
+
+def _variables_by_stage(model):
+    """The model's variables by when they are made: building (layers) and compiling (the
+    optimizer's, the metrics')."""
+    yield "built", model.weights
+    state = []
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        state += list(optimizer.variables)
+    for metric in model.metrics:
+        state += list(metric.variables)
+    yield "compiled", state
+
+
+def _bind_schedule(model, total_steps: int, steps_per_epoch: int, patches) -> None:
+    """A keras_accel schedule given to the optimizer without the training length
+    (`WarmupCosine(warmup_fraction=...)`) gets this fit's, for this fit."""
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    schedule = getattr(inner, "_learning_rate", None)
+    if getattr(schedule, "needs_total_steps", False):
+        bound = schedule.with_total_steps(total_steps, steps_per_epoch=steps_per_epoch)
+        patches.set(inner, "_learning_rate", bound)
 
 
 class _EpochSync(keras.callbacks.Callback):
@@ -450,24 +663,12 @@ class _EpochSync(keras.callbacks.Callback):
             self.guard.mark_warm(self.model, "test")
 
 
-def _real_rows(batches) -> slice | np.ndarray:
+def _real_rows(plan) -> slice | np.ndarray:
     """Positions of real rows in the concatenated padded outputs."""
-    if hasattr(batches, "rows_per_batch"):
-        rows = batches.rows_per_batch()
-    else:
-        plan = batches.plan
-        rows = [plan.rows_in_batch(i) for i in range(len(batches))]
-    static = batches.static_rows
-    if all(r == static for r in rows[:-1]):
-        return slice(0, sum(rows))
+    rows, static = plan.real_rows, plan.static_rows
+    if (rows[:-1] == static).all():
+        return slice(0, int(rows.sum()))
     return np.concatenate([np.arange(i * static, i * static + r) for i, r in enumerate(rows)])
-
-
-def _pads(batches) -> bool:
-    plan = batches.plan
-    return plan.static_rows != plan.batch_size or (
-        plan.remainder == "pad" and plan.num_samples % plan.batch_size != 0
-    )
 
 
 def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -> None:
@@ -486,10 +687,6 @@ def _check_positive_int(value, name: str) -> None:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
 
 
-def _is_array(value) -> bool:
-    return not (sources.is_py_dataset(value) or sources.is_tf_dataset(value))
-
-
 def _unpack(data):
     if isinstance(data, (tuple, list)):
         if len(data) not in (2, 3):
@@ -502,7 +699,7 @@ def _unpack(data):
 
 
 def _split(x, y, sample_weight, fraction: float):
-    if not _is_array(x):
+    if not sources.is_array_input(x):
         raise ValueError(
             "validation_split works on arrays only (as in Keras). Received x of type "
             f"{type(x).__name__}; pass validation_data instead."
@@ -511,9 +708,7 @@ def _split(x, y, sample_weight, fraction: float):
         raise ValueError(
             f"validation_split must be in (0, 1). Received: validation_split={fraction}"
         )
-    from keras_accel.data.batching import _flatten, map_structure
-
-    total = next(int(a.shape[0]) for a in _flatten(x) if a is not None)
+    total = next(int(np.shape(a)[0]) for a in flatten(x) if a is not None)
     cut = int(total * (1.0 - fraction))  # Keras takes the *last* fraction, before shuffling.
     head = lambda a: a[:cut]  # noqa: E731
     tail = lambda a: a[cut:]  # noqa: E731

@@ -4,35 +4,37 @@ Two problems, one fix:
 
 - padding rows (see `keras_accel.data.batching`) must not enter the batch mean and variance,
   or a padded batch would train differently from its real rows alone;
-- under `tf.distribute`, Keras's BatchNormalization computes statistics per replica, so the
-  moving statistics drift apart across replicas (tensorflow#46488) and `get_weights()` returns
-  one replica's copy.
+- under `tf.distribute`, Keras's BatchNormalization computes statistics per replica (unless
+  `synchronized=True`), so the moving statistics drift apart across replicas
+  (tensorflow#46488) and `get_weights()` returns one replica's copy.
 
-While a step is traced, `keras_accel.adapter.steps` publishes the batch's row mask (sample
-weight > 0) in `ROW_MASK`. Each BatchNormalization layer of a prepared model gets a `_moments`
-that weights rows by that mask and, when the backend runs one program per replica (TF), sums
-the three moments across replicas before dividing. Under JAX the program is global-view SPMD,
-so plain sums already span every replica.
+While a step is traced, `keras_accel.adapter.steps` publishes the batch's row mask in
+`ROW_MASK`. For the duration of an Accelerator call, each BatchNormalization layer gets a
+`_moments` that weights rows by that mask and, when the backend runs one program per replica
+(TF), sums the three moments across replicas before dividing: exactly Keras's
+`synchronized=True` statistics, over real rows. Under JAX the program is global-view SPMD, so
+plain sums already span every replica (Keras's `synchronized` is a no-op there too). When the
+call returns the layers get Keras's own `_moments` back.
 """
 
 from __future__ import annotations
 
-import contextvars
 import types
 from collections.abc import Callable
 
 from keras import backend, layers, ops
 
-ROW_MASK: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_mask", default=None)
-
-_PATCHED = "_keras_accel_moments"
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import ROW_MASK
+from keras_accel.utils import keras_internals
 
 
 def _weighted_moments(layer, inputs, mask, all_reduce_sum: Callable | None):
     row_mask = ROW_MASK.get()
-    axes = layer._reduction_axes
-    weights = ops.ones_like(inputs[..., :1]) if row_mask is None else None
-    if row_mask is not None:
+    axes = keras_internals.require(layer, "_reduction_axes", "BatchNormalization's axes")
+    if row_mask is None:
+        weights = ops.ones_like(inputs[..., :1])
+    else:
         row_mask = ops.cast(row_mask, inputs.dtype)
         weights = ops.reshape(row_mask, (-1,) + (1,) * (len(inputs.shape) - 1))
     if mask is not None:
@@ -50,8 +52,9 @@ def _weighted_moments(layer, inputs, mask, all_reduce_sum: Callable | None):
     return ops.reshape(mean, (-1,)), ops.reshape(variance, (-1,))
 
 
-def patch_batchnorm(model, all_reduce_sum: Callable | None = None) -> int:
-    """Give every BatchNormalization layer of `model` masked (and synchronized) moments.
+def install_batchnorm(patches: Patches, model, all_reduce_sum: Callable | None = None) -> int:
+    """Give every BatchNormalization layer of `model` masked (and synchronized) moments for
+    the duration of `patches`.
 
     Args:
         model: a Keras model; nested models are covered.
@@ -59,23 +62,22 @@ def patch_batchnorm(model, all_reduce_sum: Callable | None = None) -> int:
             program already sees the global batch.
 
     Returns:
-        The number of layers patched (idempotent: a second call patches none).
+        The number of layers given our moments.
     """
     count = 0
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not isinstance(layer, layers.BatchNormalization) or getattr(layer, _PATCHED, False):
+        if not isinstance(layer, layers.BatchNormalization):
             continue
         if layer.renorm:
             # Renorm's corrections are not defined for weighted rows; keep Keras's own path.
             continue
-        original = layer._moments
+        original = keras_internals.require(layer, "_moments", "BatchNormalization's moments")
 
         def moments(self, inputs, mask, _original=original):
             if ROW_MASK.get() is None and all_reduce_sum is None:
                 return _original(inputs, mask)
             return _weighted_moments(self, inputs, mask, all_reduce_sum)
 
-        object.__setattr__(layer, "_moments", types.MethodType(moments, layer))
-        object.__setattr__(layer, _PATCHED, True)
+        patches.set(layer, "_moments", types.MethodType(moments, layer))
         count += 1
     return count

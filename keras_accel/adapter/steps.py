@@ -1,160 +1,299 @@
-"""The compiled-step layer: wrappers around a model's train/test/predict steps.
+"""The step layer: what a model's train/test/predict step sees during an Accelerator call.
 
 Keras compiles `model.train_step` (under `jax.jit` or `tf.function`), so the Python body of
 that method runs only while a new program is traced. A thin wrapper installed on the model
-instance therefore sees every trace, for free at steady state, on every backend. It does two
-things there:
+instance for the duration of the call (`keras_accel.adapter.session`) therefore sees every
+trace, for free at steady state, on every backend. It:
 
-- counts the trace and the input shapes that caused it (the recompile guard);
-- publishes the batch's row mask for BatchNormalization (`keras_accel.adapter.batchnorm`).
+- turns the Accelerator's batch `(x, y, (sample_weight, row_mask))` into what the model's own
+  step expects, exactly as plain Keras would hand it over (the data contract, below);
+- counts the trace and the input shapes that caused it (`keras_accel.adapter.guard`);
+- publishes the batch's row mask to BatchNormalization (`keras_accel.adapter.batchnorm`), to
+  the compiled `metrics=` (which Keras updates without sample weights) and, in training, to
+  the loss trackers, so that padding rows count nowhere.
+
+The data contract, for built-in and custom steps alike: a step receives `(x, y)` when the
+user gave no weights and nothing is padded, `(x, y, sample_weight)` when the user gave
+weights or padding rows must be weighted out (padding rows weight 0), and `(x,)` for
+prediction. Models that override `train_step` train without padding by default (see
+`Accelerator.fit`); see docs/accelerator.md, "Custom steps".
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-import threading
-import warnings
-from typing import Any
+from collections.abc import Callable
 
-from keras_accel.adapter.batchnorm import ROW_MASK
+import keras
+from keras import ops
+
+from keras_accel.adapter.patches import Patches
+from keras_accel.data.batching import unpack
+from keras_accel.utils import keras_internals
 
 STEP_KINDS = ("train", "test", "predict")
 
-
-def _shapes(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {key: _shapes(value) for key, value in data.items()}
-    if isinstance(data, (list, tuple)):
-        return tuple(_shapes(item) for item in data)
-    shape = getattr(data, "shape", None)
-    return None if shape is None else tuple(None if d is None else int(d) for d in shape)
+# The row mask of the batch being traced (1 real, 0 padding), or None where nothing pads.
+ROW_MASK: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_mask", default=None)
+# In a train step: a function of the mask giving the weight of this batch's loss in the
+# epoch average (its real row count), or None.
+_ROW_COUNT: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_count", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
-class Trace:
-    """One trace of a step function: which step, the input shapes, and whether after warm-up."""
+class StepContract:
+    """What one kind of step receives during one Accelerator call.
 
-    kind: str
-    shapes: Any
-    after_warmup: bool
-
-
-class RecompileGuard:
-    """Counts step traces; after warm-up, warns once per new input signature.
-
-    Warm-up ends per model and step kind: for "train" after the first epoch of `fit`, for
-    "test" and "predict" after their first complete pass. A trace after that means a new
-    compilation (on a TPU, seconds to minutes) that static batching should have prevented.
+    Attributes:
+        pass_weights: the step gets `(x, y, sample_weight)`, else `(x, y)`.
+        user_weighted: the weights are the user's (else they only weight padding out).
+        padded: some batch carries padding rows.
+        description: the batching, for error messages ("230 rows in batches of 64 ...").
     """
 
-    def __init__(self, warn: bool = True):
-        self.warn = warn
-        self.traces: list[Trace] = []
-        self._warm: set[tuple[int, str]] = set()
-        self._signatures: set[tuple[int, str, str]] = set()
-        self._lock = threading.Lock()
-
-    @property
-    def num_recompiles(self) -> int:
-        """Distinct new input signatures traced after warm-up, over all models and steps."""
-        return sum(1 for trace in self.traces if trace.after_warmup)
-
-    def mark_warm(self, model, kind: str) -> None:
-        self._warm.add((id(model), kind))
-
-    def record(self, model, kind: str, data: Any) -> None:
-        shapes = _shapes(data)
-        key = (id(model), kind, repr(shapes))
-        with self._lock:
-            # Under tf.distribute one trace runs the step once per replica, with the same
-            # shapes: those count once.
-            if key in self._signatures:
-                return
-            self._signatures.add(key)
-            trace = Trace(kind, shapes, after_warmup=(id(model), kind) in self._warm)
-            self.traces.append(trace)
-        if trace.after_warmup and self.warn:
-            warnings.warn(
-                f"keras_accel: `{kind}_step` was traced again after warm-up, for input shapes "
-                f"{shapes}; every new shape costs a new compilation. Feed batches through the "
-                "Accelerator (acc.fit / acc.evaluate / acc.predict / acc.dataset), which keeps "
-                f"them one static shape. Recompiles so far: {self.num_recompiles}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    pass_weights: bool
+    user_weighted: bool = False
+    padded: bool = False
+    description: str = ""
 
 
-_INSTRUMENTED = "_keras_accel_guard"
+def overrides(model, kind: str) -> bool:
+    """Whether `model`'s class overrides Keras's `{kind}_step`."""
+    name = f"{kind}_step"
+    return getattr(type(model), name) is not getattr(keras.Model, name)
 
 
-def _row_mask(data: Any):
-    if isinstance(data, (list, tuple)) and len(data) == 3 and data[2] is not None:
-        from keras import ops
-
-        return ops.greater(data[2], 0)
-    return None
+def overrides_any_step(model) -> bool:
+    return any(overrides(model, kind) for kind in STEP_KINDS)
 
 
-def instrument(model, guard: RecompileGuard) -> None:
-    """Install the step wrappers on `model` (once; a later call only swaps the guard)."""
-    if getattr(model, _INSTRUMENTED, None) is not None:
-        object.__setattr__(model, _INSTRUMENTED, guard)
-        return
+def install_steps(
+    patches: Patches,
+    model,
+    contracts: dict[str, StepContract],
+    record: Callable,
+    row_count: Callable | None,
+) -> None:
+    """Wrap the model's three steps for the duration of `patches`.
+
+    Args:
+        contracts: the contract per step kind of this call.
+        record: `record(kind, data)`, called at every trace (the recompile guard).
+        row_count: `row_count(mask)` -> the global real row count of a training batch, as
+            the weight of its loss in the epoch average; None where nothing pads.
+    """
     for kind in STEP_KINDS:
         original = getattr(model, f"{kind}_step")
-
-        def step(*args, _kind=kind, _original=original):
-            # JAX steps are `step(state, data)`, TF and torch steps `step(data)`.
-            data = args[-1]
-            if not model.run_eagerly:
-                getattr(model, _INSTRUMENTED).record(model, _kind, data)
-            # Training mode needs the mask for BatchNormalization, every mode for metrics.
-            token = ROW_MASK.set(_row_mask(data))
-            try:
-                return _original(*args)
-            finally:
-                ROW_MASK.reset(token)
-
-        object.__setattr__(model, f"{kind}_step", step)
-    object.__setattr__(model, _INSTRUMENTED, guard)
-    # Step functions compiled before instrumenting call the unwrapped steps: rebuild them.
-    model.train_function = model.test_function = model.predict_function = None
+        patches.set(
+            model, f"{kind}_step", _wrap(model, kind, original, contracts, record, row_count)
+        )
 
 
-_MASKED = "_keras_accel_masked"
+def _wrap(model, kind, original, contracts, record, row_count):
+    def step(*args):
+        # JAX steps are `step(state, data)`, TF and torch steps `step(data)`.
+        *state, data = args
+        x, y, sample_weight, row_mask = unpack(data)
+        contract = contracts.get(kind) or StepContract(pass_weights=False)
+        if y is None:
+            user = (x,)
+        elif contract.pass_weights:
+            user = (x, y, sample_weight)
+        else:
+            user = (x, y)
+        if not model.run_eagerly:
+            record(kind, user)
+        mask_token = ROW_MASK.set(row_mask if contract.padded else None)
+        counted = None
+        if kind == "train" and contract.padded and row_count is not None:
+            counted = _once_per_trace(lambda: row_count(row_mask))
+        count_token = _ROW_COUNT.set(counted)
+        try:
+            return original(*state, user)
+        except (ValueError, TypeError) as error:
+            # Our padding weights reached a step of the user's that cannot take them.
+            if len(user) == 3 and not contract.user_weighted and overrides(model, kind):
+                raise ValueError(_padding_message(model, kind, contract, error)) from error
+            raise
+        finally:
+            _ROW_COUNT.reset(count_token)
+            ROW_MASK.reset(mask_token)
+
+    return step
 
 
-def mask_unweighted_metrics(model) -> None:
-    """Make the compiled `metrics=` (which Keras updates without sample weights) skip
-    padding rows: they get the row mask as their weight. `weighted_metrics=` already see the
-    padded batch's sample weights, whose padding rows are 0."""
+def _once_per_trace(fn: Callable) -> Callable:
+    # One value per trace: on TF counting the rows is an all-reduce across replicas.
+    cache = []
+
+    def get():
+        if not cache:
+            cache.append(fn())
+        return cache[0]
+
+    return get
+
+
+def _padding_message(model, kind: str, contract: StepContract, error: Exception) -> str:
+    return (
+        f"{type(model).__name__}.{kind}_step failed on a batch (x, y, sample_weight): "
+        f"{type(error).__name__}: {error}. This "
+        f"{'evaluation' if kind == 'test' else 'training'} needs padding rows "
+        f"({contract.description}), so every batch carries sample_weight, 0 on the padding "
+        "rows, which the step must honour to stay exact. Accept a third element "
+        "(`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`, and pass "
+        "sample_weight to compute_loss and the metrics, as in Keras's guide 'Customizing "
+        "what happens in fit()'), or use a batch_size that divides the number of rows and "
+        "is a multiple of the replica count, so that nothing is padded."
+    )
+
+
+def install_metric_masks(patches: Patches, model) -> None:
+    """Make the compiled `metrics=` (which Keras updates without sample weights) skip padding
+    rows: they get the row mask as their weight. `weighted_metrics=` see the padded batch's
+    sample weights already, whose padding rows are 0."""
     compiled = getattr(model, "_compile_metrics", None)
-    if compiled is None or getattr(compiled, _MASKED, False):
+    if compiled is None:
         return
-    original = compiled.update_state
 
-    def update_state(y_true, y_pred, sample_weight=None):
-        if not compiled.built:
-            compiled.build(y_true, y_pred)
-        for metric in getattr(compiled, "_flat_metrics", []):
-            if metric is not None and not getattr(metric, _MASKED, False):
-                _mask_metric(metric)
-        return original(y_true, y_pred, sample_weight=sample_weight)
+    def install():
+        flat = keras_internals.require(compiled, "_flat_metrics", "the unweighted metrics")
+        for metric in flat:
+            if metric is not None:
+                patches.set(metric, "update_state", _masked_update(metric.update_state))
+        weighted = keras_internals.require(
+            compiled, "_flat_weighted_metrics", "the weighted metrics"
+        )
+        for metric in weighted:
+            if metric is not None:
+                patches.set(metric, "update_state", _unscaled_update(metric.update_state))
 
-    object.__setattr__(compiled, "update_state", update_state)
-    object.__setattr__(compiled, _MASKED, True)
+    _after_build(patches, compiled, install)
 
 
-def _mask_metric(metric) -> None:
-    original = metric.update_state
+def _after_build(patches: Patches, container, install: Callable) -> None:
+    """Run `install` now if `container` (Keras's CompileMetrics or CompileLoss) is built,
+    else right after Keras builds it (at the first trace, where Keras defers building)."""
+    if container.built:
+        install()
+        return
+    original = container.build
 
+    def build(*args, **kwargs):
+        result = original(*args, **kwargs)
+        install()
+        return result
+
+    patches.set(container, "build", build)
+
+
+def _masked_update(original):
     def update_state(y_true, y_pred, sample_weight=None):
         mask = ROW_MASK.get()
         if sample_weight is None and mask is not None:
-            from keras import ops
-
             sample_weight = ops.cast(mask, "float32")
         return original(y_true, y_pred, sample_weight=sample_weight)
 
-    object.__setattr__(metric, "update_state", update_state)
-    object.__setattr__(metric, _MASKED, True)
+    return update_state
+
+
+def _unscaled_update(original):
+    # In a padded training batch the real rows' weights carry static/real rows, so that the
+    # loss is the mean over real rows; a weighted metric must see the user's weights.
+    def update_state(y_true, y_pred, sample_weight=None):
+        count, mask = _ROW_COUNT.get(), ROW_MASK.get()
+        if count is not None and mask is not None and sample_weight is not None:
+            static = ops.cast(ops.shape(mask)[0], "float32")
+            scale = ops.divide(static, ops.cast(count(), "float32"))
+            sample_weight = ops.divide(sample_weight, ops.cast(scale, sample_weight.dtype))
+        return original(y_true, y_pred, sample_weight=sample_weight)
+
+    return update_state
+
+
+def install_global_results(patches: Patches, model, global_result: Callable) -> None:
+    """Where each replica runs its own program (TF), make every metric's `result()` inside a
+    padded step the result over all replicas' rows: `global_result(metric, original)`.
+
+    Keras reports a step's logs as the mean of the replicas' own results, which is the
+    global result only when every replica holds as many real rows as the others; a padded
+    batch puts its padding on the last replicas.
+    """
+    done: set[int] = set()
+
+    def install(metrics):
+        for metric in _leaf_metrics(metrics):
+            if id(metric) not in done:
+                done.add(id(metric))
+                patches.set(metric, "result", _global_result(metric, global_result))
+
+    install(model.metrics)
+    for container in (
+        getattr(model, "_compile_metrics", None),
+        getattr(model, "_compile_loss", None),
+    ):
+        if container is not None:
+            _after_build(patches, container, lambda c=container: install(c.metrics))
+
+
+def _leaf_metrics(metrics):
+    for metric in metrics or []:
+        if metric is None:
+            continue
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner is not metrics:
+            yield from _leaf_metrics(inner)
+        if hasattr(metric, "variables") and callable(getattr(metric, "result", None)):
+            yield metric
+
+
+def _global_result(metric, global_result: Callable):
+    original = metric.result
+
+    def result():
+        if ROW_MASK.get() is None:
+            return original()
+        return global_result(metric, original)
+
+    return result
+
+
+def install_loss_trackers(patches: Patches, model) -> None:
+    """In a padded training step, weight each batch's loss in the epoch average by its real
+    row count, as plain Keras does (Keras weights by the batch's row count, which here is
+    the static size, padding included)."""
+    tracker = keras_internals.require(model, "_loss_tracker", "the loss tracker")
+    patches.set(tracker, "update_state", _row_weighted_update(tracker.update_state))
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        return
+
+    def install():
+        # Multi-output models: one tracker per output loss.
+        for metric in compile_loss.metrics:
+            if metric is not None:
+                patches.set(metric, "update_state", _row_weighted_update(metric.update_state))
+
+    _after_build(patches, compile_loss, install)
+
+
+def _row_weighted_update(original):
+    def update_state(values, sample_weight=None):
+        count = _ROW_COUNT.get()
+        # Keras's built-in steps weight the batch loss by the batch's row count (a scalar);
+        # a custom step that averages its losses unweighted keeps doing so.
+        if count is not None and sample_weight is not None and _is_scalar(sample_weight):
+            sample_weight = count()
+        return original(values, sample_weight=sample_weight)
+
+    return update_state
+
+
+def _is_scalar(value) -> bool:
+    # len(), not truthiness: a TensorFlow TensorShape of rank 0 is truthy.
+    shape = getattr(value, "shape", ())
+    try:
+        return len(shape) == 0
+    except (TypeError, ValueError):  # A tensor of unknown rank.
+        return False

@@ -3,10 +3,13 @@
 A data set of N rows cut into global batches of B rows leaves a last, partial batch. Under
 data parallelism that batch crashes raw Keras (it does not split across replicas) and, even
 where it runs, its new shape costs a second compilation. Here every batch is padded to one
-static size; padding rows carry sample weight 0, so they never count in a loss, a metric or
-(see `keras_accel.adapter.batchnorm`) a BatchNormalization statistic.
+static size. Which rows are real travels with the batch as a row mask (1 real, 0 padding), so
+padding never counts in a loss, a metric or (see `keras_accel.adapter.batchnorm`) a
+BatchNormalization statistic, while a real row that the user weighted 0 counts where plain
+Keras counts it.
 
-The math of the weights, for the Keras default loss reduction `sum_over_batch_size`
+The one table of padding arithmetic is `BatchPlan`: rows per batch, and the factor by which
+real rows are weighted. For Keras's default loss reduction `sum_over_batch_size`
 (loss = sum(w * l) / rows):
 
 - training: the real rows of a padded batch get weight `static_rows / real_rows`, so the
@@ -16,12 +19,19 @@ The math of the weights, for the Keras default loss reduction `sum_over_batch_si
   static batch size, so this uniform factor makes the reported loss the exact mean over the
   real samples, and weighted metrics are unchanged by a uniform factor.
 
-Everything here is numpy and backend-free; the backend modules only wrap it.
+Each input kind (numpy here, the tf.data graphs in `keras_accel.data.tfdata`) only indexes
+that table. Everything in this module is numpy and backend-free.
+
+What the Accelerator's own step wrappers receive is `(x, y, (sample_weight, row_mask))`, or
+`(x,)` where there are no targets and nothing is padded; `keras_accel.adapter.steps` turns it
+into what the model's step expects: `(x, y)`, `(x, y, sample_weight)` or `(x,)`, as plain
+Keras would give it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -51,17 +61,18 @@ def static_batch_size(batch_size: int, num_replicas: int) -> int:
     return int(math.ceil(batch_size / num_replicas) * num_replicas)
 
 
-def _num_rows(structure: Any) -> int:
-    leaves = [leaf for leaf in _flatten(structure) if leaf is not None]
-    return int(leaves[0].shape[0]) if leaves else 0
-
-
-def _flatten(structure: Any) -> list:
+def flatten(structure: Any) -> list:
+    """The leaves of a nested dict/list/tuple, dict keys in sorted order (None kept)."""
     if isinstance(structure, dict):
-        return [leaf for key in sorted(structure) for leaf in _flatten(structure[key])]
+        return [leaf for key in sorted(structure) for leaf in flatten(structure[key])]
     if isinstance(structure, (list, tuple)):
-        return [leaf for item in structure for leaf in _flatten(item)]
+        return [leaf for item in structure for leaf in flatten(item)]
     return [structure]
+
+
+def num_rows(structure: Any) -> int:
+    leaves = [leaf for leaf in flatten(structure) if leaf is not None]
+    return int(leaves[0].shape[0]) if leaves else 0
 
 
 def map_structure(fn, structure: Any) -> Any:
@@ -76,7 +87,7 @@ def map_structure(fn, structure: Any) -> Any:
 
 
 def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
-    """`array` with zero rows appended along axis 0 up to `rows` rows."""
+    """`array` with zero rows (empty strings for text) appended along axis 0 up to `rows`."""
     missing = rows - array.shape[0]
     if missing == 0:
         return array
@@ -85,26 +96,24 @@ def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
             f"A batch of {array.shape[0]} rows does not fit the static batch size of {rows} "
             "rows. Every batch of a data set must be at most as large as its first batch."
         )
-    padding = np.zeros((missing,) + array.shape[1:], dtype=array.dtype)
+    fill = "" if array.dtype.kind in "OUS" else 0
+    padding = np.full((missing,) + array.shape[1:], fill, dtype=array.dtype)
     return np.concatenate([array, padding], axis=0)
 
 
-def pad_batch(
-    x: Any,
-    y: Any,
-    sample_weight: np.ndarray | None,
-    rows: int,
-    weight_scale: float,
-) -> tuple[Any, Any, np.ndarray]:
-    """Pad one batch to `rows` rows and return `(x, y, sample_weight)`.
+def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any) -> tuple:
+    """The batch the Accelerator's step wrappers receive (see the module docstring)."""
+    if y is None:
+        return (x,)
+    return x, y, (sample_weight, row_mask)
 
-    Real rows keep their weight (1 if none was given) times `weight_scale`; padding rows get 0.
-    """
-    real = _num_rows(x)
-    weights = np.ones((real,), "float32") if sample_weight is None else sample_weight
-    weights = np.asarray(weights, dtype="float32") * np.float32(weight_scale)
-    pad = lambda a: pad_rows(np.asarray(a), rows)  # noqa: E731
-    return map_structure(pad, x), map_structure(pad, y), pad_rows(weights, rows)
+
+def unpack(data: Any) -> tuple[Any, Any, Any, Any]:
+    """`(x, y, sample_weight, row_mask)` from what `pack` made (None where absent)."""
+    if len(data) == 1:
+        return data[0], None, None, None
+    x, y, (sample_weight, row_mask) = data
+    return x, y, sample_weight, row_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +122,8 @@ class BatchPlan:
 
     Attributes:
         num_samples: rows in the data set.
-        batch_size: rows of real data per batch, as the user asked.
+        batch_size: rows of real data per batch, as the user asked (every batch but the last
+            has exactly this many).
         static_rows: rows per batch as the compiled step sees them (a replica multiple).
         remainder: "pad" keeps the last partial batch (padded); "drop" skips it.
         training: selects the weight rule (see the module docstring).
@@ -153,10 +163,28 @@ class BatchPlan:
         start = index * self.batch_size
         return min(self.batch_size, self.num_samples - start)
 
-    def weight_scale(self, real_rows: int) -> float:
+    @functools.cached_property
+    def real_rows(self) -> np.ndarray:
+        """Real rows of every batch, as int64: the table the input pipelines index."""
+        return np.array([self.rows_in_batch(i) for i in range(self.num_batches)], "int64")
+
+    @functools.cached_property
+    def weight_scales(self) -> np.ndarray:
+        """The factor on every real row's weight, per batch, as float32."""
         if self.training:
-            return self.static_rows / real_rows
-        return self.num_batches * self.static_rows / self.num_samples
+            return (self.static_rows / self.real_rows).astype("float32")
+        uniform = self.num_batches * self.static_rows / self.real_rows.sum()
+        return np.full(self.num_batches, uniform, "float32")
+
+    @property
+    def pads(self) -> bool:
+        """Whether any batch carries padding rows."""
+        return bool((self.real_rows != self.static_rows).any())
+
+    @property
+    def rows_seen(self) -> int:
+        """Real rows an epoch visits (fewer than `num_samples` when the remainder is dropped)."""
+        return int(self.real_rows.sum())
 
     def permutation(self, seed: int | None, epoch: int, shuffle: bool) -> np.ndarray:
         """Row order for one epoch: a fresh shuffle per epoch, reproducible from the seed."""
@@ -166,13 +194,30 @@ class BatchPlan:
         return rng.permutation(self.num_samples)
 
 
+def pad_batch(
+    x: Any, y: Any, sample_weight: Any, rows: int, weight_scale: float
+) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """Pad one batch to `rows` rows: `(x, y, sample_weight, row_mask)`.
+
+    Real rows keep their weight (1 if none was given) times `weight_scale`; padding rows get
+    weight 0 and mask 0. A weight array keeps its shape beyond the first axis (Keras accepts
+    `(N,)` and `(N, 1)`, or per-timestep weights).
+    """
+    real = num_rows(x)
+    weights = np.ones((real,), "float32") if sample_weight is None else sample_weight
+    weights = np.asarray(weights, dtype="float32") * np.float32(weight_scale)
+    pad = lambda a: pad_rows(np.asarray(a), rows)  # noqa: E731
+    mask = pad_rows(np.ones((real,), "float32"), rows)
+    return map_structure(pad, x), map_structure(pad, y), pad_rows(weights, rows), mask
+
+
 def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
     """The common row count of named structures; a clear error when they disagree."""
     lengths = {}
     for name, structure in arrays:
         if structure is None:
             continue
-        for leaf in _flatten(structure):
+        for leaf in flatten(structure):
             if leaf is None:
                 continue
             if not hasattr(leaf, "shape") or len(leaf.shape) == 0:

@@ -4,27 +4,34 @@ from __future__ import annotations
 
 import keras
 
+from keras_accel.data.batching import pack
+
 
 class StaticBatchDataset(keras.utils.PyDataset):
     """Serves `batches.batch(i)`; `on_epoch_end` advances the batches to the next epoch.
 
-    Yields `(x, y, sample_weight)`, or `(x,)` for inputs without targets (prediction), so that
-    padding rows are always identifiable by their zero weight where a loss is computed.
+    With `carry_mask=True` (what the Accelerator feeds its own step wrappers) a batch is
+    `(x, y, (sample_weight, row_mask))`; with False (`Accelerator.dataset`, for a plain
+    `model.fit`) it is Keras's `(x, y, sample_weight)`, padding rows weighted 0. Without
+    targets it is `(x,)` either way.
     """
 
-    def __init__(self, batches, workers: int = 1):
+    def __init__(self, batches, carry_mask: bool = True, workers: int = 1):
         # A thread prefetches the next batches while the device computes the current one.
         super().__init__(workers=workers, use_multiprocessing=False, max_queue_size=4)
         self.batches = batches
+        self.carry_mask = carry_mask
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, index: int):
-        x, y, sample_weight = self.batches.batch(index)
+        x, y, sample_weight, row_mask = self.batches.batch(index)
         if y is None:
             return (x,)
-        return x, y, sample_weight
+        if not self.carry_mask:
+            return x, y, sample_weight
+        return pack(x, y, sample_weight, row_mask)
 
     def on_epoch_end(self) -> None:
         self.batches.on_epoch_end()

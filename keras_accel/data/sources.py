@@ -1,15 +1,16 @@
 """The inputs an Accelerator accepts, each turned into a sequence of static-size padded batches.
 
-- numpy arrays (and tuples, lists or dicts of them): batched, shuffled and padded here, one
-  batch at a time, so the data set is never copied whole;
+- numpy arrays (and tuples, lists or dicts of them; strings included): batched, shuffled and
+  padded here, one batch at a time, so the data set is never copied whole;
 - `keras.utils.PyDataset`: each of its batches is padded to the size of its first batch
   (rounded up to a multiple of the replica count);
 - `tf.data.Dataset` (where TensorFlow is installed): see `keras_accel.data.tfdata`.
 
-A "batches" object here is backend-free: it answers `len()` and `batch(index)` with
-`(x, y, sample_weight)` numpy tuples, has an `epoch` counter (which `Accelerator.fit` sets at
-each epoch's start, so shuffling is a function of the epoch and resumes exactly) and an
-`on_epoch_end()`. The backend modules wrap it in what `model.fit` takes.
+A "batches" object here is backend-free: it has a `plan` (`keras_accel.data.batching.
+BatchPlan`), answers `len()` and `batch(index)` with `(x, y, sample_weight, row_mask)` numpy
+tuples, has an `epoch` counter (which `Accelerator.fit` sets at each epoch's start, so
+shuffling is a function of the epoch and resumes exactly) and an `on_epoch_end()`. The backend
+modules wrap it in what `model.fit` takes.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ import numpy as np
 
 from keras_accel.data.batching import (
     BatchPlan,
-    _num_rows,
     check_same_length,
     map_structure,
+    num_rows,
     pad_batch,
     static_batch_size,
 )
 
 SUPPORTED_INPUTS = (
-    "numpy arrays (or tuples, lists, dicts of them), keras.utils.PyDataset, tf.data.Dataset"
+    "numpy arrays (or tuples, lists, dicts of them; numbers or strings), "
+    "keras.utils.PyDataset, tf.data.Dataset"
 )
 
 
@@ -45,18 +47,49 @@ def is_py_dataset(value: Any) -> bool:
     return isinstance(value, keras.utils.PyDataset)
 
 
-def _to_numpy(structure: Any, name: str) -> Any:
-    def convert(leaf):
-        if isinstance(leaf, np.ndarray):
-            return leaf
-        if hasattr(leaf, "__array__") or isinstance(leaf, (list, float, int)):
-            return np.asarray(leaf)
-        raise TypeError(
-            f"`{name}` must be numpy arrays or array-likes (or a tuple/list/dict of them). "
-            f"Received: {type(leaf).__name__}. Supported inputs: {SUPPORTED_INPUTS}."
-        )
+def is_array_input(value: Any) -> bool:
+    return not (is_py_dataset(value) or is_tf_dataset(value))
 
-    return map_structure(convert, structure)
+
+def to_numpy(structure: Any, name: str) -> Any:
+    """Every leaf as a numpy array (tensors of any backend, nested lists of numbers or
+    strings). A list of arrays is a list of inputs; a list of plain values is one array, as
+    Keras reads them."""
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        return {key: to_numpy(value, name) for key, value in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        if structure and not any(_is_leaf_array(item) for item in structure):
+            return np.asarray(structure)
+        return type(structure)(to_numpy(item, name) for item in structure)
+    if isinstance(structure, np.ndarray):
+        return structure
+    if hasattr(structure, "numpy") and callable(structure.numpy):  # tf.Tensor, strings too
+        return np.asarray(structure.numpy())
+    if hasattr(structure, "__array__") or isinstance(structure, (float, int, str, bytes)):
+        return np.asarray(structure)
+    raise TypeError(
+        f"`{name}` must be numpy arrays or array-likes (or a tuple/list/dict of them). "
+        f"Received: {type(structure).__name__}. Supported inputs: {SUPPORTED_INPUTS}."
+    )
+
+
+def _is_leaf_array(item: Any) -> bool:
+    return isinstance(item, dict) or hasattr(item, "shape") or hasattr(item, "numpy")
+
+
+def standardize_sample_weight(sample_weight: Any) -> np.ndarray | None:
+    """A float32 weight array of one weight per row (`(N,)`, `(N, 1)` or per timestep)."""
+    if sample_weight is None:
+        return None
+    weights = np.asarray(sample_weight, dtype="float32")
+    if weights.ndim == 0:
+        raise ValueError(
+            "`sample_weight` must hold one weight per row: an array of shape (N,) or (N, 1) "
+            f"(or (N, timesteps) for per-timestep losses). Received: a scalar {weights!r}."
+        )
+    return weights
 
 
 def class_weights_to_sample_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
@@ -97,15 +130,9 @@ class ArrayBatches:
         seed: int | None = None,
         class_weight: dict | None = None,
     ):
-        x = _to_numpy(x, "x")
-        y = _to_numpy(y, "y")
-        if sample_weight is not None:
-            sample_weight = np.asarray(sample_weight, dtype="float32")
-            if sample_weight.ndim != 1:
-                raise ValueError(
-                    "`sample_weight` must be a 1-D array of one weight per row. "
-                    f"Received: shape {sample_weight.shape}."
-                )
+        x = to_numpy(x, "x")
+        y = to_numpy(y, "y")
+        sample_weight = standardize_sample_weight(sample_weight)
         num_samples = check_same_length([("x", x), ("y", y), ("sample_weight", sample_weight)])
         if class_weight is not None:
             if sample_weight is not None:
@@ -127,18 +154,19 @@ class ArrayBatches:
         # epoch, since batches of an epoch may be gathered from several threads.
         self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
         self._epoch = 0
-        self.epoch_listeners: list = []  # Backends that compute the order in a graph.
+        self.epoch_listeners: list = []  # Pipelines that compute the order in a graph.
         self._order_epoch = None
         self._order = None
         self._lock = threading.Lock()
 
     @property
-    def num_samples(self) -> int:
-        return self.plan.num_samples
+    def has_targets(self) -> bool:
+        return self.y is not None
 
     @property
-    def static_rows(self) -> int:
-        return self.plan.static_rows
+    def weighted(self) -> bool:
+        """Whether the user gave weights (sample_weight or class_weight)."""
+        return self.sample_weight is not None
 
     def __len__(self) -> int:
         return self.plan.num_batches
@@ -166,11 +194,17 @@ class ArrayBatches:
     def on_epoch_end(self) -> None:
         self.epoch += 1
 
-    def gather(self, indices: np.ndarray) -> tuple[Any, Any, np.ndarray]:
-        """The padded batch holding exactly the rows `indices`, in that order."""
-        indices = np.asarray(indices)
+    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, Any, Any]:
+        """Padded batch `index` of `epoch` (default: the current `self.epoch`):
+        `(x, y, sample_weight, row_mask)`."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch index {index} out of range for {len(self)} batches")
+        plan = self.plan
+        start = index * plan.batch_size
+        order = self.epoch_indices(self.epoch if epoch is None else epoch)
+        indices = order[start : start + int(plan.real_rows[index])]
         # Contiguous ranges are sliced, not fancy-indexed: a view instead of a copy.
-        if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and not self.shuffle:
+        if not self.shuffle:
             take = lambda a: a[indices[0] : indices[-1] + 1]  # noqa: E731
         else:
             take = lambda a: np.take(a, indices, axis=0)  # noqa: E731
@@ -179,20 +213,13 @@ class ArrayBatches:
             map_structure(take, self.x),
             map_structure(take, self.y),
             sw,
-            self.static_rows,
-            self.plan.weight_scale(len(indices)),
+            plan.static_rows,
+            plan.weight_scales[index],
         )
 
-    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, np.ndarray]:
-        """Padded batch `index` of `epoch` (default: the current `self.epoch`)."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"batch index {index} out of range for {len(self)} batches")
-        start = index * self.plan.batch_size
-        order = self.epoch_indices(self.epoch if epoch is None else epoch)
-        return self.gather(order[start : start + self.plan.rows_in_batch(index)])
 
-
-def _standardize(item: Any) -> tuple[Any, Any, Any]:
+def standardize_element(item: Any) -> tuple[Any, Any, Any]:
+    """`(x, y, sample_weight)` from what a data set yields: x, (x,), (x, y) or (x, y, w)."""
     if isinstance(item, dict) or not isinstance(item, (tuple, list)):
         return item, None, None
     item = tuple(item)
@@ -230,9 +257,12 @@ class PyDatasetBatches:
             )
         if count < 1:
             raise ValueError(f"The PyDataset is empty. Received: len(dataset)={count}")
-        first = _num_rows(_standardize(dataset[0])[0])
-        last = first if count == 1 else _num_rows(_standardize(dataset[count - 1])[0])
+        x0, y0, sw0 = standardize_element(dataset[0])
+        first = num_rows(x0)
+        last = first if count == 1 else num_rows(standardize_element(dataset[count - 1])[0])
         self.first_rows = first
+        self.has_targets = y0 is not None
+        self.weighted = sw0 is not None
         self.plan = BatchPlan(
             num_samples=(count - 1) * first + last,
             batch_size=first,
@@ -240,31 +270,23 @@ class PyDatasetBatches:
             remainder=remainder,
             training=training,
         )
-        self._count = count - 1 if remainder == "drop" and last < first and count > 1 else count
         self.epoch = 0  # The user's PyDataset shuffles itself, in its on_epoch_end().
 
-    @property
-    def num_samples(self) -> int:
-        return self.plan.num_samples
-
-    @property
-    def static_rows(self) -> int:
-        return self.plan.static_rows
-
     def __len__(self) -> int:
-        return self._count
+        return self.plan.num_batches
 
-    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, np.ndarray]:
-        x, y, sw = _standardize(self.source[index])
-        x, y = _to_numpy(x, "x"), _to_numpy(y, "y")
-        rows = _num_rows(x)
+    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, Any, Any]:
+        x, y, sw = standardize_element(self.source[index])
+        x, y = to_numpy(x, "x"), to_numpy(y, "y")
+        rows = num_rows(x)
         if rows != self.first_rows and index != self.source.num_batches - 1:
             raise ValueError(
                 f"Batch {index} of the PyDataset has {rows} rows but its first batch has "
                 f"{self.first_rows}. keras_accel pads only the last batch of a PyDataset: "
                 "make every other batch the same size."
             )
-        return pad_batch(x, y, sw, self.static_rows, self.plan.weight_scale(rows))
+        sw = standardize_sample_weight(sw)
+        return pad_batch(x, y, sw, self.plan.static_rows, self.plan.weight_scales[index])
 
     def on_epoch_end(self) -> None:
         self.source.on_epoch_end()

@@ -1,25 +1,111 @@
-"""Static-size batches over a user's batched `tf.data.Dataset` (imported only for such inputs)."""
+"""Static-size batches as tf.data pipelines (imported only where TensorFlow is in use).
+
+Two sources, one padding function:
+
+- `array_pipeline`: in-memory arrays (`keras_accel.data.sources.ArrayBatches`), batched and
+  shuffled in the graph, no Python in the pipeline;
+- `StaticTFBatches`: a user's batched `tf.data.Dataset`.
+
+Both hand every batch's real rows to `_padded`, which optionally runs a model's own
+preprocessing first (a keras-hub task's `preprocess_samples`: raw strings in, token ids out),
+then pads to the static size and weights the rows by indexing the batch plan's table
+(`keras_accel.data.batching.BatchPlan.weight_scales`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
-from keras_accel.data.batching import BatchPlan, static_batch_size
+from keras_accel.data.batching import BatchPlan, pack, static_batch_size
+from keras_accel.data.sources import ArrayBatches, standardize_element
 
-
-def _standardize(element):
-    if isinstance(element, tuple):
-        if not 1 <= len(element) <= 3:
-            raise ValueError(
-                "A tf.data element must be x, (x,), (x, y) or (x, y, sample_weight). "
-                f"Received a tuple of {len(element)} elements."
-            )
-        return element + (None,) * (3 - len(element))
-    return element, None, None
+Preprocess = Callable | None
 
 
 def _rows(x):
     return tf.shape(tf.nest.flatten(x)[0])[0]
+
+
+def _pad_leaf(t, static: int):
+    t = tf.convert_to_tensor(t)
+    rows = tf.shape(t)[0]
+    fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
+    padded = tf.pad(t, [[0, static - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
+    return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
+
+
+def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess):
+    """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it."""
+    static = plan.static_rows
+    scales = tf.constant(plan.weight_scales)
+
+    def fn(index, x, y, sample_weight):
+        if preprocess is not None:
+            x, y, sample_weight = standardize_element(preprocess(x, y, sample_weight))
+        pad = lambda t: _pad_leaf(t, static)  # noqa: E731
+        if y is None:
+            return (tf.nest.map_structure(pad, x),)
+        rows = _rows(x)
+        scale = tf.gather(scales, index)
+        if sample_weight is None:
+            weights = tf.fill([rows], scale)
+        else:
+            weights = tf.cast(sample_weight, tf.float32) * scale
+        x, y, weights = (tf.nest.map_structure(pad, t) for t in (x, y, weights))
+        if not carry_mask:
+            return x, y, weights
+        return pack(x, y, weights, pad(tf.ones([rows], tf.float32)))
+
+    return fn
+
+
+def array_pipeline(
+    batches: ArrayBatches, carry_mask: bool = True, preprocess: Preprocess = None
+) -> tf.data.Dataset:
+    """Static padded batches over in-memory arrays, computed entirely in the tf.data graph.
+
+    No Python runs inside the pipeline. (A `numpy_function` there deadlocks: under a
+    strategy Keras peeks one batch from a fresh iterator before training and drops it, and
+    the iterator's destructor, run with the GIL held, waits for prefetch threads that wait
+    for the GIL.) The arrays become TensorFlow tensors once, as in plain Keras; batches are
+    gathered from them by index. Epoch k's row order is a stateless function of
+    (seed, k), read from a variable that `Accelerator.fit` sets at each epoch's start, so a
+    resumed run sees the same order.
+    """
+    plan = batches.plan
+    n, rows = plan.num_samples, plan.batch_size
+    with tf.device("/cpu:0"):
+        sample_weight = batches.sample_weight
+        leaves = tf.nest.map_structure(
+            lambda a: None if a is None else tf.constant(a),
+            (batches.x, batches.y, None if sample_weight is None else sample_weight),
+        )
+        epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
+    batches.epoch_listeners.append(lambda value: epoch.assign(value))
+    seed = tf.constant(batches.seed % 2**63, tf.int64)
+    real_rows = tf.constant(plan.real_rows)
+    pad = _padded(plan, carry_mask, preprocess)
+
+    def load(index):
+        positions = index * rows + tf.range(tf.gather(real_rows, index), dtype=tf.int64)
+        if batches.shuffle:
+            positions = tf.random.experimental.index_shuffle(
+                positions, seed=tf.stack([seed, epoch.read_value()]), max_index=n - 1
+            )
+        x, y, sample_weight = tf.nest.map_structure(
+            lambda t: None if t is None else tf.gather(t, positions), leaves
+        )
+        return pad(index, x, y, sample_weight)
+
+    dataset = tf.data.Dataset.range(len(batches)).map(
+        load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
+    options = tf.data.Options()
+    # Batches come from in-memory rows, not files: shard by data across workers.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
 class StaticTFBatches:
@@ -32,7 +118,10 @@ class StaticTFBatches:
     def __init__(
         self, dataset: tf.data.Dataset, *, num_replicas: int, remainder: str, training: bool
     ):
-        sizes = [int(n) for n in dataset.map(lambda *e: _rows(_standardize(e)[0]))]
+        spec = dataset.element_spec
+        self.has_targets = isinstance(spec, tuple) and len(spec) >= 2
+        self.weighted = isinstance(spec, tuple) and len(spec) == 3
+        sizes = [int(n) for n in dataset.map(lambda *e: _rows(_element(e)[0]))]
         if not sizes:
             raise ValueError("The tf.data.Dataset is empty: it yielded no batch.")
         first = sizes[0]
@@ -43,7 +132,7 @@ class StaticTFBatches:
                 f"has {first}. keras_accel pads only the last batch: batch the data set with "
                 "one batch size (`dataset.batch(n)`)."
             )
-        self.sizes = sizes
+        self.source = dataset
         self.plan = BatchPlan(
             num_samples=sum(sizes),
             batch_size=first,
@@ -51,59 +140,27 @@ class StaticTFBatches:
             remainder=remainder,
             training=training,
         )
-        drop = remainder == "drop" and sizes[-1] < first and len(sizes) > 1
-        if drop:
-            self.sizes = sizes[:-1]
-            dataset = dataset.take(len(sizes) - 1)
-        static = self.plan.static_rows
-        plan = self.plan
-        uniform = plan.weight_scale(first) if not training else None
 
-        def pad(*element):
-            x, y, sample_weight = _standardize(element)
-            rows = _rows(x)
-            missing = static - rows
-
-            def pad_leaf(t):
-                t = tf.convert_to_tensor(t)
-                padded = tf.pad(t, [[0, missing]] + [[0, 0]] * (t.shape.rank - 1))
-                return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
-
-            if y is None:
-                return (tf.nest.map_structure(pad_leaf, x),)
-            weights = (
-                tf.ones([rows], tf.float32)
-                if sample_weight is None
-                else tf.cast(sample_weight, tf.float32)
-            )
-            scale = (
-                tf.cast(static, tf.float32) / tf.cast(rows, tf.float32)
-                if uniform is None
-                else tf.constant(uniform, tf.float32)
-            )
-            return (
-                tf.nest.map_structure(pad_leaf, x),
-                tf.nest.map_structure(pad_leaf, y),
-                pad_leaf(weights * scale),
-            )
-
+    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
+        pad = _padded(self.plan, carry_mask, preprocess)
         # A known length lets Keras stop by count, not by an end-of-data error inside a
         # replicated step (which aborts MirroredStrategy's collectives).
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.sizes)))
-        self.fit_input = dataset.map(pad, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
-            tf.data.AUTOTUNE
+        dataset = self.source.take(self.plan.num_batches).apply(
+            tf.data.experimental.assert_cardinality(self.plan.num_batches)
+        )
+        return (
+            dataset.enumerate()
+            .map(
+                lambda index, *e: pad(index, *_element(e)),
+                num_parallel_calls=tf.data.AUTOTUNE,
+            )
+            .prefetch(tf.data.AUTOTUNE)
         )
 
-    @property
-    def static_rows(self) -> int:
-        return self.plan.static_rows
-
-    @property
-    def num_samples(self) -> int:
-        return self.plan.num_samples
-
-    def rows_per_batch(self) -> list[int]:
-        return list(self.sizes)
-
     def __len__(self) -> int:
-        return len(self.sizes)
+        return self.plan.num_batches
+
+
+def _element(element: tuple):
+    # tf.data passes a tuple element's parts as separate arguments, anything else as one.
+    return standardize_element(element[0] if len(element) == 1 else element)

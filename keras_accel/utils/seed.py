@@ -12,12 +12,11 @@ import numpy as np
 def set_random_seed(seed: int) -> None:
     """Seed Python, NumPy, Keras's global seed generator, and the backend."""
     import keras
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-    from keras.src.utils import rng_utils
 
-    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
-    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    from keras_accel.utils import keras_internals
+
+    keras_internals.check()
+    keras_internals.set_global_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     backend = keras.backend.backend()

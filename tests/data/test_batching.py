@@ -21,9 +21,10 @@ def test_static_batch_size_rounds_up_to_replicas():
 
 def test_padding_weights_give_real_row_mean_in_training():
     x = np.arange(6, dtype="float32").reshape(3, 2)
-    px, py, sw = pad_batch(x, np.array([1, 2, 3]), None, rows=8, weight_scale=8 / 3)
+    px, py, sw, mask = pad_batch(x, np.array([1, 2, 3]), None, rows=8, weight_scale=8 / 3)
     assert px.shape == (8, 2) and py.shape == (8,)
     np.testing.assert_array_equal(px[3:], 0)
+    np.testing.assert_array_equal(mask, [1, 1, 1, 0, 0, 0, 0, 0])
     losses = np.array([1.0, 2.0, 6.0, 9, 9, 9, 9, 9])
     # Keras's sum_over_batch_size: sum(w * l) / rows.
     assert np.isclose((sw * losses).sum() / 8, 3.0)
@@ -35,11 +36,32 @@ def test_evaluation_weights_make_keras_batch_average_exact():
     batch_losses = []
     for i in range(plan.num_batches):
         real = losses[i * 4 : i * 4 + plan.rows_in_batch(i)]
-        w = plan.weight_scale(len(real))
+        w = plan.weight_scales[i]
         batch_losses.append(w * real.sum() / 4)
     # Keras weights every batch's loss by its (static) row count.
     keras_mean = sum(4 * b for b in batch_losses) / (4 * plan.num_batches)
     assert np.isclose(keras_mean, losses.mean())
+
+
+def test_one_table_of_rows_and_weights():
+    train = BatchPlan(num_samples=20, batch_size=8, static_rows=8)
+    np.testing.assert_array_equal(train.real_rows, [8, 8, 4])
+    np.testing.assert_allclose(train.weight_scales, [1.0, 1.0, 2.0])
+    assert train.pads and train.rows_seen == 20
+    dropped = BatchPlan(num_samples=20, batch_size=8, static_rows=8, remainder="drop")
+    assert not dropped.pads and dropped.rows_seen == 16
+    evaluation = BatchPlan(num_samples=20, batch_size=8, static_rows=8, training=False)
+    np.testing.assert_allclose(evaluation.weight_scales, [24 / 20] * 3)
+    # Indivisible batches pad every batch: 6 real rows in 8 static ones.
+    assert BatchPlan(num_samples=12, batch_size=6, static_rows=8, remainder="drop").pads
+
+
+def test_padding_keeps_the_weight_shape_and_pads_strings_with_empty_ones():
+    x = np.array([["a"], ["bc"]], dtype=object)
+    px, _, sw, mask = pad_batch(x, np.zeros(2), np.ones((2, 1)), rows=4, weight_scale=2.0)
+    assert px[:, 0].tolist() == ["a", "bc", "", ""]
+    assert sw.shape == (4, 1) and sw[:, 0].tolist() == [2.0, 2.0, 0.0, 0.0]
+    assert mask.tolist() == [1, 1, 0, 0]
 
 
 def test_drop_and_pad_batch_counts():

@@ -2,12 +2,23 @@
 
 Every backend module defines:
 
-- `inventory() -> dict[str, list[str]]`: visible devices by platform ("tpu", "gpu", "cpu");
+- `inventory(probe_tpu=True) -> dict[str, list[str]]`: visible devices by platform ("tpu",
+  "gpu", "cpu");
 - `build(plan, layout_map=None) -> Runtime`: the distribution for a `Plan`;
 
-and its `Runtime` answers `scope()`, `num_replicas`, `native` (the `keras.distribution` object
-or `tf.distribute` strategy), `check_model(model)`, `all_reduce_sum` (for BatchNormalization
-statistics, or None) and `wrap(batches)` (what `model.fit` takes).
+and its `Runtime` answers:
+
+- `scope()`, `num_replicas`, `native` (the `keras.distribution` object or `tf.distribute`
+  strategy, None for one device);
+- `model_misplaced(model)` and `variable_misplaced(variable)`: why a model or a variable
+  was not made under this runtime (None when it was), for the "built outside the scope"
+  errors;
+- `install(patches, model, first_batch, training)`: what this backend changes for the
+  duration of one Accelerator call (`keras_accel.adapter.patches`);
+- `all_reduce_sum` (sums BatchNormalization moments across replicas, or None where the
+  program sees the global batch) and `row_count(row_mask)` (a batch's real rows, as the
+  weight of its loss in the epoch average);
+- `wrap(batches, carry_mask, preprocess)`: what `model.fit` takes.
 
 Importing this package imports no backend; `load()` imports exactly the one asked for, so a
 JAX-only install never imports TensorFlow.

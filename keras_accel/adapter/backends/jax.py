@@ -6,13 +6,21 @@ import contextlib
 
 import jax
 import keras
+import numpy as np
 from keras import distribution as kd
+from keras import ops
 
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import overrides_any_step
 from keras_accel.adapter.strategies import Plan
+from keras_accel.data.batching import flatten
 from keras_accel.data.pydataset import StaticBatchDataset
+from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+from keras_accel.utils import keras_internals
 
 
-def inventory() -> dict[str, list[str]]:
+def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
+    # JAX finds a TPU by itself; `probe_tpu` is part of the contract for TF's sake.
     found = {}
     for platform in ("tpu", "gpu", "cpu"):
         try:
@@ -38,6 +46,7 @@ class Runtime:
         self.plan = plan
         self.num_replicas = plan.num_replicas
         devices = list(plan.devices)
+        self._devices = {_jax_device(name) for name in devices}
         if plan.strategy == "single":
             self.native = None
         elif plan.strategy == "model_parallel":
@@ -58,22 +67,60 @@ class Runtime:
             with self.native.scope():
                 yield
 
-    def check_model(self, model) -> None:
-        if self.native is None or not model.weights:
-            return
-        expected = {_jax_device(name) for name in self.plan.devices}
-        for variable in model.weights:
-            placed = set(variable.value.sharding.device_set)
-            if not placed >= expected:
-                raise RuntimeError(
-                    f"The model was built outside `acc.scope()`: its variable "
-                    f"{variable.path!r} lives on {len(placed)} device(s), but this "
-                    f"Accelerator spreads work over {len(expected)}. Build and compile it "
-                    "inside `with acc.scope():` so its variables are laid out over the mesh."
-                )
+    def model_misplaced(self, model) -> str | None:
+        return None  # JAX places variables, not models: see `variable_misplaced`.
 
-    def wrap(self, batches):
-        return StaticBatchDataset(batches)
+    def variable_misplaced(self, variable) -> str | None:
+        """Why `variable` is not laid out over this runtime's devices, or None."""
+        sharding = getattr(variable.value, "sharding", None)
+        placed = set(sharding.device_set) if sharding is not None else set()
+        if placed >= self._devices:
+            return None
+        return f"lives on {len(placed)} device(s)"
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if first_batch is None:
+            return
+        # Keras builds a model symbolically from the first batch it reads; ours carries the
+        # row mask, which only our step wrappers understand: build from the batch the
+        # model's step sees instead.
+        keras_internals.install_symbolic_build(
+            patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+        )
+
+    def row_count(self, row_mask):
+        return ops.sum(row_mask)
+
+    def wrap(self, batches, carry_mask: bool = True, preprocess=None):
+        if preprocess is None:
+            _refuse_text(batches)
+        if isinstance(batches, PyDatasetBatches) or (
+            isinstance(batches, ArrayBatches) and preprocess is None
+        ):
+            return StaticBatchDataset(batches, carry_mask=carry_mask)
+        # tf.data inputs, and keras-hub preprocessing (which runs in tf.data, as keras-hub's
+        # own fit does on JAX): Keras's JAX trainer reads tf.data batches as numpy.
+        from keras_accel.data import tfdata
+
+        if isinstance(batches, ArrayBatches):
+            return tfdata.array_pipeline(batches, carry_mask, preprocess)
+        return batches.pipeline(carry_mask, preprocess)
+
+
+def _refuse_text(batches) -> None:
+    """JAX arrays hold numbers only: text must become numbers before the compiled step."""
+    x = getattr(batches, "x", None)
+    leaves = [leaf for leaf in flatten(x) if getattr(leaf, "dtype", None) is not None]
+    text = [leaf for leaf in leaves if np.dtype(leaf.dtype).kind in "OUS"]
+    if text:
+        raise ValueError(
+            f"KERAS_BACKEND=jax cannot feed text to a compiled model: JAX arrays hold numbers "
+            f"only. Received: x with a {text[0].dtype} array of shape {text[0].shape}. Turn "
+            "the text into numbers first: a keras-hub task with its preprocessor (which "
+            "keras_accel runs in tf.data, as keras-hub does), or TextVectorization mapped over "
+            "a tf.data.Dataset; or use KERAS_BACKEND=tensorflow, where a model may take "
+            "strings."
+        )
 
 
 def default_layout_map(mesh):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import glob
 import os
 import threading
@@ -10,9 +11,12 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.pydataset import StaticBatchDataset
 from keras_accel.data.sources import ArrayBatches
+from keras_accel.utils import keras_internals
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
 
@@ -79,6 +83,25 @@ def _tf_name(device: str) -> str:
     return f"/device:{platform.upper()}:{index}"
 
 
+def _global_result(metric, result):
+    """`metric`'s result over every replica's rows, from inside a replica: its variables
+    reduced as a cross-replica read would reduce them (Keras's are SUM, on read)."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return result()
+    operations = {
+        tf.VariableAggregation.SUM: tf.distribute.ReduceOp.SUM,
+        tf.VariableAggregation.MEAN: tf.distribute.ReduceOp.MEAN,
+    }
+    values = []
+    for variable in metric.variables:
+        operation = operations.get(getattr(variable.value, "aggregation", None))
+        local = tf.convert_to_tensor(variable.value)
+        values.append(local if operation is None else context.all_reduce(operation, local))
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+        return result()
+
+
 def _all_reduce_sum(tensors):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -86,15 +109,30 @@ def _all_reduce_sum(tensors):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+class _MirroredStrategy(tf.distribute.MirroredStrategy):
+    """A MirroredStrategy whose collective keys cannot clash with another strategy's.
+
+    Every `tf.distribute.MirroredStrategy` numbers its collective groups and instances from
+    the same start, so two strategies over the same devices in one process (a user's raw
+    one and ours, in either order) send different tensors under the same keys and abort each
+    other ("Shape mismatch in the collective instance"; then "Function was cancelled"). Ours
+    start from a base of their own.
+    """
+
+    def __init__(self, devices, key_base: int):
+        self._collective_key_base = key_base  # Read by MirroredExtended's __init__.
+        super().__init__(devices)
+
+
 _MIRRORED: dict[tuple, tf.distribute.MirroredStrategy] = {}
+_KEY_BASE = 1 << 20  # Far above the keys a raw strategy hands out in one process.
 
 
 def _mirrored(devices: tuple) -> tf.distribute.MirroredStrategy:
-    # One strategy per device set and process: separate MirroredStrategy objects over the same
-    # devices hand out clashing collective-op keys, and the second one's steps are cancelled
-    # ("Function was cancelled before it was started") once both have run all-reduces.
+    # One strategy per device set and process: ours must not clash with each other either.
     if devices not in _MIRRORED:
-        _MIRRORED[devices] = tf.distribute.MirroredStrategy([_tf_name(d) for d in devices])
+        base = _KEY_BASE * (len(_MIRRORED) + 1)
+        _MIRRORED[devices] = _MirroredStrategy([_tf_name(d) for d in devices], base)
     return _MIRRORED[devices]
 
 
@@ -128,88 +166,135 @@ class Runtime:
             with self.native.scope():
                 yield
 
-    def check_model(self, model) -> None:
-        if self.native is None:
-            return
-        if getattr(model, "_distribute_strategy", None) is not self.native:
-            raise RuntimeError(
-                f"The model was built outside `acc.scope()`, so TensorFlow would train it on "
-                f"one device, not with {type(self.native).__name__} over "
-                f"{self.num_replicas} replicas. Build and compile it inside "
-                "`with acc.scope():`."
-            )
+    def model_misplaced(self, model) -> str | None:
+        """Why `model` would not run under this runtime's strategy, or None."""
+        strategy = keras_internals.distribute_strategy_of(model)
+        if strategy is self.native:
+            return None
+        # Keras trains such a model on one device without a word.
+        owner = "no strategy" if strategy is None else f"another {type(strategy).__name__}"
+        return f"it belongs to {owner}"
 
-    def wrap(self, batches):
+    def variable_misplaced(self, variable) -> str | None:
+        """Why `variable` was not created under this runtime's strategy, or None."""
+        strategy = getattr(variable.value, "distribute_strategy", None)
+        if strategy is self.native:
+            return None
+        return "is a plain variable" if strategy is None else "belongs to another strategy"
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if self.native is not None and first_batch is not None:
+            # Keras builds a model from the first batch it reads (under a strategy, reduced
+            # across replicas with MEAN first, which fails for strings and booleans: raw
+            # text, keras-hub padding masks). Ours carries the row mask, which only our step
+            # wrappers understand: build from the batch the model's step sees instead.
+            keras_internals.install_symbolic_build(
+                patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+            )
+            keras_internals.require(model, "_maybe_symbolic_build", "the TF trainer's build")
+
+            def build(iterator=None, data_batch=None):
+                model._symbolic_build()
+
+            patches.set(model, "_maybe_symbolic_build", build)
+        if self.num_replicas > 1:
+            if training:
+                _check_optimizers_built(model)
+            install_global_batch_losses(patches)
+            install_global_results(patches, model, _global_result)
+
+    def row_count(self, row_mask):
+        # Each replica weights its share of the epoch's loss average by the global batch's
+        # real rows over the replica count: summed over replicas, the real rows.
+        (total,) = _all_reduce_sum([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
+        return total / self.num_replicas
+
+    def wrap(self, batches, carry_mask: bool = True, preprocess=None):
+        from keras_accel.data import tfdata
+
         if isinstance(batches, ArrayBatches):
-            return array_dataset(batches)
+            return tfdata.array_pipeline(batches, carry_mask, preprocess)
+        if isinstance(batches, tfdata.StaticTFBatches):
+            return batches.pipeline(carry_mask, preprocess)
         # A user's PyDataset: Keras's own route (tf.data from a generator).
-        return StaticBatchDataset(batches)
+        return StaticBatchDataset(batches, carry_mask=carry_mask)
 
 
-def array_dataset(batches: ArrayBatches) -> tf.data.Dataset:
-    """Static padded batches over in-memory arrays, computed entirely in the tf.data graph.
-
-    No Python runs inside the pipeline. (A `numpy_function` there deadlocks: under a
-    strategy Keras peeks one batch from a fresh iterator before training and drops it, and
-    the iterator's destructor, run with the GIL held, waits for prefetch threads that wait
-    for the GIL.) The arrays become TensorFlow tensors once, as in plain Keras; batches are
-    gathered from them by index. Epoch k's row order is a stateless function of
-    (seed, k), read from a variable that `Accelerator.fit` sets at each epoch's start, so a
-    resumed run sees the same order.
-    """
-    plan = batches.plan
-    n, rows, static = plan.num_samples, plan.batch_size, plan.static_rows
-    with tf.device("/cpu:0"):
-        leaves = tf.nest.map_structure(
-            lambda a: None if a is None else tf.constant(a), _structure(batches)
-        )
-        epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
-    batches.epoch_listeners.append(lambda value: epoch.assign(value))
-    seed = tf.constant(batches.seed % 2**63, tf.int64)
-    uniform = None if plan.training else plan.weight_scale(rows)
-
-    def load(index):
-        start = index * rows
-        real = tf.minimum(n - start, rows)
-        offsets = tf.range(static, dtype=tf.int64)
-        positions = tf.minimum(start + offsets, n - 1)
-        if batches.shuffle:
-            positions = tf.random.experimental.index_shuffle(
-                positions, seed=tf.stack([seed, epoch.read_value()]), max_index=n - 1
+def _check_optimizers_built(model) -> None:
+    """Optimizers of a custom step (a GAN's two) must be built before the first step under
+    tf.distribute: built lazily inside a replicated step, their slots fail to initialize
+    ("You must feed a value for placeholder tensor"). Keras builds `model.optimizer` only."""
+    for name, value in vars(model).items():
+        if (
+            isinstance(value, keras.optimizers.Optimizer)
+            and value is not getattr(model, "optimizer", None)
+            and not value.built
+        ):
+            raise ValueError(
+                f"{type(model).__name__}.{name} is not built: under tf.distribute an "
+                "optimizer must be built before the first training step, and Keras builds "
+                "only `model.optimizer`. Build it inside `acc.scope()` with the variables it "
+                f"updates, e.g. `model.{name}.build(sub_model.trainable_variables)`, before "
+                "acc.fit."
             )
-        keep = offsets < real
 
-        def take(leaf):
-            gathered = tf.gather(leaf, positions)
-            mask = tf.reshape(keep, [-1] + [1] * (leaf.shape.rank - 1))
-            return tf.where(mask, gathered, tf.zeros_like(gathered))
 
-        x, y, sample_weight = leaves
-        if y is None:
-            return (tf.nest.map_structure(take, x),)
-        weights = tf.ones([static], tf.float32) if sample_weight is None else take(sample_weight)
-        scale = (
-            tf.cast(static, tf.float32) / tf.cast(real, tf.float32)
-            if uniform is None
-            else tf.constant(uniform, tf.float32)
+_REDUCED: contextvars.ContextVar = contextvars.ContextVar("keras_accel_reduced", default=False)
+
+
+def install_global_batch_losses(patches: Patches) -> None:
+    """Make every replica's loss the loss of its own rows, as on JAX and on one device, and
+    average the gradients across replicas, for the duration of `patches`.
+
+    Keras on `tf.distribute` divides each replica's loss by the replica count (so that the
+    gradients its optimizer sums across replicas add up to the global batch's), and divides
+    it back only for the loss tracker of its built-in steps. A custom `train_step` that
+    reports `compute_loss` as in Keras's guides therefore shows the loss divided by the
+    replica count, on TF only. Here losses are not divided, and the optimizer averages the
+    replicas' gradients instead of summing them: the same updates, and the same numbers on
+    both backends for built-in and custom steps. The average is taken before gradient
+    clipping and accumulation, so that `clipnorm` and `global_clipnorm` act on the global
+    batch's gradient, as on JAX and on one device.
+    """
+    losses = keras_internals.loss_module()
+    identity = lambda value: value  # noqa: E731
+    patches.set(losses, "scale_loss_for_distribution", identity)
+    patches.set(losses, "unscale_loss_for_distribution", identity)
+    optimizer_class = keras_internals.tf_optimizer_class()
+    original_apply = optimizer_class.apply
+
+    def apply(self, grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1 or _REDUCED.get():
+            return original_apply(self, grads, trainable_variables)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
+        for i, g in zip(present, reduced):
+            grads[i] = g
+        token = _REDUCED.set(True)
+        try:
+            return original_apply(self, grads, trainable_variables)
+        finally:
+            _REDUCED.reset(token)
+
+    def all_reduce_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if _REDUCED.get():
+            return grads_and_vars  # Averaged in `apply` already.
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            return grads_and_vars
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        reduced = context.all_reduce(
+            tf.distribute.ReduceOp.MEAN, [grads_and_vars[i][0] for i in present]
         )
-        weights = tf.where(keep, weights * scale, 0.0)
-        return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), weights
+        for i, g in zip(present, reduced):
+            grads_and_vars[i] = (g, grads_and_vars[i][1])
+        return grads_and_vars
 
-    dataset = tf.data.Dataset.range(len(batches)).map(
-        load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-    )
-    options = tf.data.Options()
-    # Batches come from in-memory rows, not files: shard by data across workers.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
-
-
-def _structure(batches: ArrayBatches):
-    sample_weight = batches.sample_weight
-    if sample_weight is not None:
-        sample_weight = sample_weight.astype("float32")
-    return batches.x, batches.y, sample_weight
+    patches.set(optimizer_class, "apply", apply)
+    patches.set(optimizer_class, "_all_reduce_sum_gradients", all_reduce_gradients)
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 
+from keras import ops
+
+from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.pydataset import StaticBatchDataset
 
 
-def inventory() -> dict[str, list[str]]:
+def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
     import torch
 
     if torch.cuda.is_available():
@@ -28,11 +31,27 @@ class Runtime:
     def scope(self):
         yield
 
-    def check_model(self, model) -> None:
+    def model_misplaced(self, model) -> str | None:
         return None
 
-    def wrap(self, batches):
-        return StaticBatchDataset(batches)
+    def variable_misplaced(self, variable) -> str | None:
+        return None
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        return None  # Keras builds torch models from the step's own data, at the first step.
+
+    def row_count(self, row_mask):
+        return ops.sum(row_mask)
+
+    def wrap(self, batches, carry_mask: bool = True, preprocess=None):
+        if preprocess is not None or not hasattr(batches, "batch"):
+            raise ValueError(
+                "On the torch backend keras_accel feeds numpy arrays and PyDatasets only. "
+                f"Received: {type(batches).__name__}"
+                + (" with a keras-hub preprocessor" if preprocess is not None else "")
+                + ". Use KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow."
+            )
+        return StaticBatchDataset(batches, carry_mask=carry_mask)
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:

@@ -1,0 +1,165 @@
+"""One Accelerator call on one model: what it installs, and how all of it goes away again.
+
+For the duration of `acc.fit`, `acc.evaluate` or `acc.predict` the model's steps are wrapped
+(`keras_accel.adapter.steps`), its compiled metrics and loss trackers see the row mask, its
+BatchNormalization layers compute masked, synchronized moments (`keras_accel.adapter.
+batchnorm`), and on TensorFlow the backend makes losses global-batch losses. Keras's compiled
+step functions close over all of that, so they belong to the call too: the session swaps in
+the functions an earlier call with the same contract compiled (no recompilation from one
+`acc.fit` to the next) and, on the way out, keeps ours aside and gives the model back its own.
+After the call the model, its layers and Keras behave exactly as if keras_accel had never
+touched them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from keras_accel.adapter.batchnorm import install_batchnorm
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import (
+    STEP_KINDS,
+    StepContract,
+    install_loss_trackers,
+    install_metric_masks,
+    install_steps,
+)
+from keras_accel.utils import keras_internals
+
+# Models inside an Accelerator call now: a call made from within another one on the same
+# model (a callback that runs acc.evaluate) reuses its installation.
+_ACTIVE: dict[int, Session] = {}
+
+
+class FunctionCache:
+    """The step functions Keras compiled during our calls, per model, kept out of the model."""
+
+    def __init__(self):
+        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def key(self, model, kind: str, contract: StepContract) -> tuple:
+        # Everything a compiled step closes over that a user can change between calls.
+        return (
+            kind,
+            contract,
+            getattr(model, "optimizer", None),
+            getattr(model, "_compile_loss", None),
+            getattr(model, "_compile_metrics", None),
+            getattr(model, "steps_per_execution", 1),
+            getattr(model, "jit_compile", None),
+            getattr(model, "run_eagerly", False),
+        )
+
+    def get(self, model, key: tuple):
+        return self._by_model.get(model, {}).get(key)
+
+    def put(self, model, key: tuple, function) -> None:
+        if function is not None:
+            self._by_model.setdefault(model, {})[key] = function
+
+
+class Session:
+    """A context manager: install on enter, restore on exit (see the module docstring).
+
+    Args:
+        model: the user's model.
+        contracts: the step contract per kind for this call.
+        runtime: the backend runtime (`all_reduce_sum`, `row_count`, `install`).
+        record: `record(model, kind, data)`, the recompile guard.
+        functions: where compiled step functions are kept between calls.
+        first_batch: returns the first batch as the model's step would see it, for Keras's
+            symbolic build (called at most once, only if something is unbuilt).
+        patch: extra installs, `patch(patches)`, undone with the rest.
+    """
+
+    def __init__(
+        self,
+        model,
+        contracts: dict[str, StepContract],
+        runtime,
+        record: Callable,
+        functions: FunctionCache,
+        first_batch: Callable,
+        patch: Callable | None = None,
+    ):
+        self.model = model
+        self.contracts = dict(contracts)
+        self.runtime = runtime
+        self.record = record
+        self.functions = functions
+        self.first_batch = first_batch
+        self.patch = patch
+        self.patches = Patches()
+        self._keys: dict[str, tuple] = {}
+        self._outer: Session | None = None
+
+    def __enter__(self) -> Session:
+        keras_internals.check()
+        model, patches = self.model, self.patches
+        outer = _ACTIVE.get(id(model))
+        try:
+            if outer is not None:
+                # Nested call: our wrappers are in place already; swap the contracts of the
+                # kinds this call runs, and their compiled functions, for its duration.
+                self._outer = outer
+                for kind, contract in self.contracts.items():
+                    patches.set_item(outer.contracts, kind, contract)
+            else:
+                _ACTIVE[id(model)] = self
+                self._install()
+            for kind in STEP_KINDS:
+                contract = self._contract(kind)
+                self._keys[kind] = key = self.functions.key(model, kind, contract)
+                patches.set(model, f"{kind}_function", self.functions.get(model, key))
+        except BaseException:
+            self._leave()
+            raise
+        return self
+
+    def _contract(self, kind: str) -> StepContract:
+        contracts = self._outer.contracts if self._outer is not None else self.contracts
+        return contracts.get(kind) or StepContract(pass_weights=False)
+
+    def _install(self) -> None:
+        model, patches, runtime = self.model, self.patches, self.runtime
+        batch = None if self.first_batch is None else _Once(self.first_batch)
+        runtime.install(patches, model, batch, training="train" in self.contracts)
+        install_steps(
+            patches,
+            model,
+            self.contracts,
+            lambda kind, data: self.record(model, kind, data),
+            runtime.row_count,
+        )
+        install_metric_masks(patches, model)
+        if getattr(model, "_loss_tracker", None) is not None:
+            install_loss_trackers(patches, model)
+        install_batchnorm(patches, model, runtime.all_reduce_sum)
+        if self.patch is not None:
+            self.patch(patches)
+
+    def __exit__(self, *exc_info) -> bool:
+        for kind, key in self._keys.items():
+            self.functions.put(self.model, key, getattr(self.model, f"{kind}_function", None))
+        self._leave()
+        return False
+
+    def _leave(self) -> None:
+        self.patches.restore()
+        if self._outer is None and _ACTIVE.get(id(self.model)) is self:
+            del _ACTIVE[id(self.model)]
+
+
+class _Once:
+    """Calls `fn` the first time it is called; returns that result ever after."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self._done = False
+        self._value = None
+
+    def __call__(self):
+        if not self._done:
+            self._value, self._done = self.fn(), True
+        return self._value

@@ -1,0 +1,54 @@
+"""Raw tf.distribute strategies, keras.distribution settings and Accelerators in one process."""
+
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from tests.helpers import compiled_mlp, data
+
+
+def _fits(model, x, y, **kwargs):
+    history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, **kwargs)
+    return np.isfinite(history.history["loss"][0])
+
+
+def test_raw_mirrored_strategy_and_accelerator_in_either_order(backend, num_devices):
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("MirroredStrategy over several devices")
+    import tensorflow as tf
+
+    x, y = data(128)
+    devices = [f"/cpu:{i}" for i in range(num_devices)]
+    # Two raw strategies would clash with each other (TensorFlow's own limit); one raw
+    # strategy and the Accelerator's must not: raw, ours, raw again, ours again.
+    raw = tf.distribute.MirroredStrategy(devices)
+    with raw.scope():
+        raw_model = compiled_mlp()  # BatchNormalization: collectives on every step
+    assert _fits(raw_model, x, y)
+    acc = Accelerator()
+    with acc.scope():
+        ours = compiled_mlp()
+    assert np.isfinite(acc.fit(ours, x, y, batch_size=64, verbose=0).history["loss"][0])
+    with raw.scope():
+        assert _fits(raw_model, x, y)
+    assert np.isfinite(acc.fit(ours, x[:100], y[:100], batch_size=64, verbose=0).history["loss"][0])
+
+
+def test_global_keras_distribution_is_left_as_the_user_set_it(backend, num_devices):
+    if backend != "jax" or num_devices < 2:
+        pytest.skip("keras.distribution over several JAX devices")
+    from keras import distribution
+
+    users = distribution.DataParallel(devices=distribution.list_devices()[:2])
+    distribution.set_distribution(users)
+    try:
+        plain = compiled_mlp()  # laid out by the user's global distribution
+        x, y = data(128)
+        acc = Accelerator()
+        with acc.scope():
+            ours = compiled_mlp()
+        acc.fit(ours, x[:101], y[:101], batch_size=16, verbose=0)
+        assert distribution.distribution() is users
+        assert _fits(plain, x, y)
+    finally:
+        distribution.set_distribution(None)

@@ -1,0 +1,191 @@
+"""Keras's own contracts, kept: what plain Keras accepts works, numbers equal plain Keras on one
+device, and nothing the Accelerator installs outlives its call. 8 replicas, both backends."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from keras_accel.schedules import WarmupCosine
+from tests.helpers import assert_weights_close, compiled_mlp, data
+
+
+class Logs(keras.callbacks.Callback):
+    """The logs every batch and epoch reports, as plain numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append({k: float(v) for k, v in (logs or {}).items()})
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append({k: float(v) for k, v in (logs or {}).items()})
+
+
+def _pair(acc, **kwargs):
+    with acc.scope():
+        model = compiled_mlp(**kwargs)
+    twin = compiled_mlp(**kwargs)
+    twin.set_weights(model.get_weights())
+    return model, twin
+
+
+def _assert_logs_equal(got: list[dict], want: list[dict]):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert set(a) == set(b)
+        for key in b:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_reported_loss_and_metrics_of_a_padded_epoch_equal_keras():
+    # 230 rows in batches of 64: the last batch has 38 real rows and 26 padding rows. The
+    # loss that callbacks monitor (EarlyStopping, ReduceLROnPlateau), every weighted and
+    # unweighted metric, per batch and per epoch, equal plain Keras's.
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(230)
+    sw = np.linspace(0.2, 2.0, 230).astype("float32")
+    got, want = Logs(), Logs()
+    acc.fit(model, x, y, sample_weight=sw, batch_size=64, epochs=2, shuffle=False,
+            verbose=0, callbacks=[got])  # fmt: skip
+    twin.fit(x, y, sample_weight=sw, batch_size=64, epochs=2, shuffle=False, verbose=0,
+             callbacks=[want])  # fmt: skip
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    _assert_logs_equal(got.batches, want.batches)
+    _assert_logs_equal(got.epochs, want.epochs)
+
+
+def test_list_wrapped_single_input_and_column_sample_weights_like_keras():
+    acc = Accelerator()
+    model, twin = _pair(acc)
+    x, y = data(101)
+    sw = np.linspace(0.5, 1.5, 101).astype("float32")[:, None]  # (N, 1), as Keras's guides
+    history = acc.fit(model, [x], y, sample_weight=sw, batch_size=16, shuffle=False, verbose=0)
+    want = twin.fit([x], y, sample_weight=sw, batch_size=16, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        acc.predict(model, [x], verbose=0), twin.predict([x], verbose=0), atol=1e-5
+    )
+
+
+def test_no_trace_left_behind(tmp_path):
+    # A model trained through the Accelerator, then through plain Keras, ends exactly where
+    # its twin ends, copied out (weights and optimizer state) before the plain phase.
+    acc = Accelerator()
+    with acc.scope():
+        model = compiled_mlp()
+    x, y = data(80)
+    sw = np.linspace(0.5, 2.0, 80).astype("float32")
+    before = set(model.__dict__)
+    layer_dicts = {id(layer): set(layer.__dict__) for layer in model._flatten_layers()}
+    acc.fit(model, x[:77], y[:77], batch_size=16, shuffle=False, verbose=0)  # padded
+    acc.evaluate(model, x[:77], y[:77], verbose=0)
+    acc.predict(model, x[:77], verbose=0)
+    # Only what plain Keras's own fit/evaluate/predict add (history, iterators, flags).
+    reference = compiled_mlp()
+    reference_before = set(reference.__dict__)
+    reference.fit(x, y, batch_size=16, verbose=0)
+    reference.evaluate(x, y, verbose=0)
+    reference.predict(x, verbose=0)
+    keras_adds = set(reference.__dict__) - reference_before
+    assert set(model.__dict__) - before <= keras_adds, set(model.__dict__) - before - keras_adds
+    for layer in model._flatten_layers(include_self=False):
+        assert set(layer.__dict__) == layer_dicts[id(layer)], layer.name
+        if isinstance(layer, keras.layers.BatchNormalization):
+            assert "_moments" not in layer.__dict__
+    assert model.train_function is None and model.predict_function is None
+    for metric in model.metrics:
+        assert "update_state" not in metric.__dict__ and "result" not in metric.__dict__
+    path = str(tmp_path / "copy.keras")
+    model.save(path)
+    with acc.scope():
+        twin = keras.saving.load_model(path)
+    assert_weights_close(model.get_weights(), twin.get_weights(), atol=0)
+    # The plain phase, under the same distribution, on data plain Keras can split.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # none of our warnings in plain Keras
+        with acc.scope():
+            model.fit(x, y, sample_weight=sw, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            twin.fit(x, y, sample_weight=sw, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights(), atol=1e-6)
+    with acc.scope():
+        got = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+        want = twin.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert got == pytest.approx(want)
+
+
+def test_synchronized_batchnorm_keeps_keras_meaning(backend):
+    if backend != "tensorflow":
+        pytest.skip("Keras takes BatchNormalization(synchronized=True) on TensorFlow only")
+    acc = Accelerator()
+    with acc.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, kernel_initializer=keras.initializers.GlorotUniform(0)),
+                keras.layers.BatchNormalization(synchronized=True),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    twin = keras.models.clone_model(model)
+    twin.compile("sgd", "sparse_categorical_crossentropy")
+    twin.set_weights(model.get_weights())
+    x, y = data(101)
+    acc.fit(model, x, y, batch_size=16, shuffle=False, verbose=0)
+    twin.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    layer = model.layers[1]
+    assert layer.synchronized and "_moments" not in layer.__dict__
+
+
+def test_model_compiled_again_outside_the_scope_is_refused_the_same_way():
+    acc = Accelerator()
+    if acc.num_replicas == 1:
+        pytest.skip("one device: every model is in place")
+    with acc.scope():
+        model = compiled_mlp()
+    model.compile("adam", "sparse_categorical_crossentropy")  # outside the scope
+    x, y = data(32)
+    with pytest.raises(RuntimeError, match=r"compiled outside `acc.scope\(\)`: its variable"):
+        acc.fit(model, x, y, batch_size=16, verbose=0)
+    with acc.scope():
+        model.compile("adam", "sparse_categorical_crossentropy")
+    acc.fit(model, x, y, batch_size=16, verbose=0)
+
+
+def test_schedule_that_needs_the_training_length_gets_it_from_fit():
+    acc = Accelerator()
+    x, y = data(96)
+    schedule = WarmupCosine(0.5, warmup_fraction=0.25)
+    with acc.scope():
+        model = compiled_mlp(optimizer=keras.optimizers.SGD(schedule), batchnorm=False)
+    bound = schedule.with_total_steps(2 * 6, steps_per_epoch=6)
+    twin = compiled_mlp(optimizer=keras.optimizers.SGD(bound), batchnorm=False)
+    twin.set_weights(model.get_weights())
+    acc.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    twin.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    # The optimizer keeps the user's schedule: plain Keras asks for the length again.
+    assert model.optimizer._learning_rate is schedule and schedule.needs_total_steps
+
+
+def test_accelerator_call_inside_a_callback_of_another():
+    acc = Accelerator()
+    model, _ = _pair(acc)
+    x, y = data(70)
+    seen = []
+
+    class Evaluate(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(acc.evaluate(model, x[:37], y[:37], verbose=0, return_dict=True))
+
+    acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=[Evaluate()])
+    assert len(seen) == 2 and all(np.isfinite(r["loss"]) for r in seen)
+    assert "train_step" not in model.__dict__
