@@ -18,7 +18,7 @@ import uuid
 import warnings
 import weakref
 
-from keras_accel import io
+from keras_accel.state import files
 
 LOCK_NAME = ".lock"
 
@@ -42,7 +42,7 @@ def _pid_alive(pid: int) -> bool:
 class DirectoryLock:
     def __init__(self, directory: str, timeout: float | None, owner):
         self.directory = directory
-        self.path = io.join(directory, LOCK_NAME)
+        self.path = files.join(directory, LOCK_NAME)
         self.timeout = timeout
         self.token = uuid.uuid4().hex
         self._owner = weakref.ref(owner)
@@ -60,7 +60,7 @@ class DirectoryLock:
 
     def _read(self) -> dict | None:
         try:
-            return json.loads(io.read_text(self.path))
+            return json.loads(files.read_text(self.path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -129,7 +129,7 @@ class DirectoryLock:
         _HELD[self.directory] = self._owner
 
     def _write(self) -> None:
-        io.write_atomic(self.path, json.dumps(self._record()))
+        files.write_atomic(self.path, json.dumps(self._record()))
         self._last_beat = time.monotonic()
 
     def heartbeat(self, force: bool = False) -> None:
@@ -149,4 +149,4 @@ class DirectoryLock:
         holder = self._read()
         if holder is not None and holder.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
-                io.remove(self.path)
+                files.remove(self.path)

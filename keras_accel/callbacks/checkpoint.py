@@ -6,10 +6,10 @@ import re
 
 import keras
 
-from keras_accel import io
 from keras_accel.callbacks import _saving
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
+from keras_accel.state import files
 from keras_accel.utils import process
 
 
@@ -32,7 +32,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - batches that `BackupAndRestore` replays after a mid-epoch resume are not saved.
 
     `.keras` files load back with `keras.saving.load_model(path)` in Keras's safe mode; for
-    a URL, fetch it with `keras_accel.io.local_copy(path)` first.
+    a URL, fetch it with `keras_accel.state.files.local_copy(path)` first.
 
     Args:
         filepath: path or URL of the file; ends in `.keras` (whole model), or
@@ -43,7 +43,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Example:
 
     >>> import keras, numpy as np
-    >>> from keras_accel import io
+    >>> from keras_accel.state import files
     >>> from keras_accel.callbacks import ModelCheckpoint
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile("sgd", "mse")
@@ -51,7 +51,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     ...                              save_weights_only=True, max_to_keep=2)
     >>> _ = model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=3, verbose=0,
     ...               callbacks=[checkpoint])
-    >>> io.listdir("memory://doc/ckpt")
+    >>> files.listdir("memory://doc/ckpt")
     ['e2.weights.h5', 'e3.weights.h5']
     """
 
@@ -121,18 +121,20 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._kept.append(saved)
         while len(self._kept) > self.max_to_keep:
             old = self._kept.pop(0)
-            if io.exists(old):
-                io.remove(old)
+            if files.exists(old):
+                files.remove(old)
 
     def _existing_files(self) -> list[str]:
         """Files in the directory that this pattern could have written, oldest first."""
-        directory, pattern = io.dirname(self.filepath), io.basename(self.filepath)
-        if not directory or not io.isdir(directory):
+        directory, pattern = files.dirname(self.filepath), files.basename(self.filepath)
+        if not directory or not files.isdir(directory):
             return []
         regex = re.compile(_pattern_regex(pattern))
-        found = [io.join(directory, name) for name in io.listdir(directory) if regex.match(name)]
+        found = [
+            files.join(directory, name) for name in files.listdir(directory) if regex.match(name)
+        ]
         # Oldest first by modification time where the storage has one, then by name.
-        return sorted(found, key=lambda path: (io.getmtime(path) or 0.0, path))
+        return sorted(found, key=lambda path: (files.getmtime(path) or 0.0, path))
 
 
 def _pattern_regex(pattern: str) -> str:

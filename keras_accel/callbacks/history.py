@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv as _csv
-import io as _text_io
+import io
 import json
 import os
 import tempfile
@@ -13,9 +13,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel import io
 from keras_accel.callbacks._run import run_state
 from keras_accel.callbacks.learning_rate import host_step
+from keras_accel.state import files
 from keras_accel.utils import process
 
 FORMAT = "keras_accel.History"
@@ -125,7 +125,7 @@ class History(keras.callbacks.History):
         """
         path = os.fspath(path)
         try:
-            record = json.loads(io.read_text(path))
+            record = json.loads(files.read_text(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path!r} is not a History JSON file: {e}") from e
         history = cls(path=path)
@@ -160,8 +160,8 @@ class History(keras.callbacks.History):
         self._first_epoch_seen = False
         # A new process continuing a run: pick up what the last one wrote (unless
         # BackupAndRestore already restored the record from its checkpoint).
-        if self.path and not self.rows and not self.steps and io.exists(self.path):
-            self.load_dict(json.loads(io.read_text(self.path)))
+        if self.path and not self.rows and not self.steps and files.exists(self.path):
+            self.load_dict(json.loads(files.read_text(self.path)))
 
     def on_epoch_begin(self, epoch, logs=None):
         if not self._first_epoch_seen:
@@ -239,17 +239,17 @@ class History(keras.callbacks.History):
             return
         if self.path:
             _ensure_parent(self.path)
-            io.write_atomic(self.path, json.dumps(self.to_dict(), indent=1))
+            files.write_atomic(self.path, json.dumps(self.to_dict(), indent=1))
         if self.csv_path:
             _ensure_parent(self.csv_path)
-            io.write_atomic(self.csv_path, self.to_csv())
+            files.write_atomic(self.csv_path, self.to_csv())
 
     def to_csv(self) -> str:
         """The epochs as CSV text: one row per epoch, one column per key."""
         columns: list[str] = []
         for row in self.rows:
             columns.extend(key for key in row if key not in columns)
-        buffer = _text_io.StringIO()
+        buffer = io.StringIO()
         writer = _csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         for row in self.rows:
@@ -302,7 +302,7 @@ class History(keras.callbacks.History):
             figure.savefig(local, format="png", dpi=100)
             pyplot.close(figure)
             _ensure_parent(path)
-            io.upload(local, path)
+            files.upload(local, path)
         return path
 
 
@@ -336,9 +336,9 @@ def _plain(logs: dict | None) -> dict[str, Any]:
 
 
 def _ensure_parent(path: str) -> None:
-    parent = io.dirname(path)
-    if parent and not io.exists(parent):
-        io.makedirs(parent)
+    parent = files.dirname(path)
+    if parent and not files.exists(parent):
+        files.makedirs(parent)
 
 
 def _samples_seen(model) -> float | None:

@@ -11,8 +11,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_accel import Accelerator, io
+from keras_accel import Accelerator
 from keras_accel.callbacks import History, ModelCheckpoint
+from keras_accel.state import files
 from tests.helpers import compiled_mlp, data
 
 EPOCHS = 3
@@ -71,5 +72,5 @@ def trained_run(tmp_path_factory):
         build=lambda: compiled_mlp(optimizer=keras.optimizers.Adam(0.01), dropout=True),
     )
     yield run
-    if io.exists(remote):
-        io.rmtree(remote)
+    if files.exists(remote):
+        files.rmtree(remote)

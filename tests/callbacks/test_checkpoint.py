@@ -7,18 +7,19 @@ import keras
 import numpy as np
 import pytest
 
-from keras_accel import Accelerator, io
+from keras_accel import Accelerator
 from keras_accel.callbacks import ModelCheckpoint, _saving
+from keras_accel.state import files
 from keras_accel.utils import process
 from tests.callbacks.conftest import EPOCHS
 from tests.helpers import assert_weights_close, compiled_mlp, data
 
 
 def test_rotation_keeps_the_newest_files_on_remote_storage(trained_run):
-    assert io.listdir(f"{trained_run.remote}/ckpt") == ["e02.weights.h5", "e03.weights.h5"]
+    assert files.listdir(f"{trained_run.remote}/ckpt") == ["e02.weights.h5", "e03.weights.h5"]
     # 6 batches per epoch, a save every 4 batches: after batches 4, 8, 12, 16 (counted
     # across epochs), named with Keras's 1-based epoch and batch: b1-4, b2-2, b2-6, b3-4.
-    assert io.listdir(f"{trained_run.remote}/steps") == [
+    assert files.listdir(f"{trained_run.remote}/steps") == [
         "b2-2.weights.h5",
         "b2-6.weights.h5",
         "b3-4.weights.h5",
@@ -30,7 +31,7 @@ def test_files_load_back_under_distribution(trained_run):
     with acc.scope():
         model = trained_run.build()
         model.optimizer.build(model.trainable_variables)
-        with io.local_copy(f"{trained_run.remote}/ckpt/e{EPOCHS:02d}.weights.h5") as local:
+        with files.local_copy(f"{trained_run.remote}/ckpt/e{EPOCHS:02d}.weights.h5") as local:
             model.load_weights(local)
         # Safe mode: the default of load_model, stated here because it is the point.
         loaded = keras.saving.load_model(str(trained_run.local / "last.keras"), safe_mode=True)
@@ -71,10 +72,10 @@ def test_save_and_load_under_distribution(suffix, tmp_path, num_devices):
         with acc.scope():
             if weights_only:
                 other = compiled_mlp(seed=5)
-                with io.local_copy(target) as local:
+                with files.local_copy(target) as local:
                     other.load_weights(local)
             else:
-                with io.local_copy(target) as local:
+                with files.local_copy(target) as local:
                     other = keras.saving.load_model(local, safe_mode=True)
         assert_weights_close(
             [np.asarray(w) for w in model.get_weights()],
@@ -82,7 +83,7 @@ def test_save_and_load_under_distribution(suffix, tmp_path, num_devices):
             atol=0,
         )
     assert os.listdir(tmp_path) == [f"m{suffix}"]  # No temporary file left.
-    io.rmtree(io.dirname(targets[1]))
+    files.rmtree(files.dirname(targets[1]))
 
 
 def test_only_the_chief_writes(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The examples in the docstrings of keras_accel.callbacks and keras_accel.io run.
+"""The examples in the docstrings of keras_accel.callbacks and keras_accel.state.files run.
 
 (The python blocks of docs/callbacks.md are run by tests/test_docs.py.)
 """
@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from keras_accel import io
+from keras_accel.state import files
 
 MODULES = [
     "keras_accel.callbacks",
@@ -16,7 +16,7 @@ MODULES = [
     "keras_accel.callbacks.checkpoint",
     "keras_accel.callbacks.history",
     "keras_accel.callbacks.learning_rate",
-    "keras_accel.io",
+    "keras_accel.state.files",
 ]
 
 
@@ -25,6 +25,6 @@ def test_docstring_examples(name):
     try:
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     finally:
-        if io.exists("memory://doc"):
-            io.rmtree("memory://doc")
+        if files.exists("memory://doc"):
+            files.rmtree("memory://doc")
     assert result.failed == 0
