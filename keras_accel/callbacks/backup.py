@@ -1,39 +1,33 @@
-"""`BackupAndRestore`: the full training state, saved atomically and rotated, resumed exactly."""
+"""`BackupAndRestore`: the full training state, on Orbax (JAX) or tf.train (TensorFlow), keyed
+by variable path, saved asynchronously and rotated, resumed exactly."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
 import tempfile
 import time
 import warnings
-import zipfile
-from typing import Any
 
 import keras
 
-from keras_accel import io
-from keras_accel.callbacks import _state
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
+from keras_accel.state import engines, files, tree
 from keras_accel.utils import process
 
 FORMAT = "keras_accel.BackupAndRestore"
-VERSION = 1
-VARIABLES = "variables.npz"
-STATE = "state.json"
-COMMITTED = "COMMITTED"
-_NAME = re.compile(r"^ckpt-e(\d{6,})-b(\d{8,})$")
+VERSION = 2
 # What `keras.callbacks.BackupAndRestore` writes into its backup_dir: the weights (with the
 # optimizer's variables) and {"epoch": ..., "batch": ...}, and with double_checkpoint=True the
 # previous pair as .bkp copies.
 KERAS_WEIGHTS = "latest.weights.h5"
 KERAS_METADATA = "training_metadata.json"
 KERAS_FILES = (KERAS_WEIGHTS, KERAS_METADATA, f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")
+# The engine each backup_dir of this process was opened with.
+_OPEN: dict[str, object] = {}
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -43,30 +37,36 @@ class BackupAndRestore(keras.callbacks.Callback):
     double_checkpoint=False, delete_checkpoint=True)`: run the same `fit` again after a
     crash and it continues from the last backup instead of epoch 0. It adds:
 
+    - **the engines the field uses**: on JAX the arrays go to Orbax, written where they live
+      (sharded arrays by the processes that hold them, never gathered to one host); on
+      TensorFlow to `tf.train.Checkpoint` with `tf.train.CheckpointManager` (as the first
+      seed does), which saves a mirrored variable once and writes `gs://` from a TPU host.
+      Both save in the background by default: training goes on while the data is written,
+      and the callback waits for the last save at the end of `fit` and before a restore.
+    - **keyed by variable path**: state is saved and restored by Keras's variable paths, not
+      by order. A checkpoint in which a model or optimizer variable is missing, extra or of
+      another shape is refused with an error naming them (`partial_restore=True` restores
+      the ones that match instead, with a warning naming the others).
     - **the full state**: weights and non-trainable variables (BatchNormalization
       statistics, Dropout's seed-generator states), optimizer variables (slots, iteration
       count, learning rate, hence the position of a `LearningRateScheduler`), the running
-      metric totals, epoch and batch, the `keras_accel.callbacks.History` record, and the
-      Python and NumPy random generator states. Variables go to an `.npz` (read with
-      `allow_pickle=False`), the rest to JSON: no pickle.
+      metric totals; and, in one small JSON record the engine commits with the arrays, what
+      no engine stores: epoch and batch, the `keras_accel.callbacks.History` record, the
+      Python and NumPy random generator states, the variable manifest, the versions.
     - **mid-epoch resume**: with `save_freq=N` (steps) a backup can fall inside an epoch.
       Keras cannot start an epoch part-way, so the resumed run re-runs that epoch's first
       batches and, when it reaches the backup's position, restores the state again: their
       effect is overwritten, and training continues bit-for-bit as the uninterrupted run
       would (given a data order that depends only on the epoch, as `Accelerator.fit`
       guarantees). Other keras_accel callbacks ignore the re-run batches.
-    - **rotation**: the newest `max_to_keep` backups are kept (default 5, as the seed's
-      `CheckpointManager`), each in its own `ckpt-e<epoch>-b<batch>` directory.
-    - **atomic**: a backup is written to a temporary directory, made durable (fsync),
-      renamed into place, and marked complete by a `COMMITTED` file written last, holding
-      checksums of the others. A backup without the marker, or whose checksums fail, is
-      skipped with a warning and the one before it is used; nothing is overwritten before
-      a new backup is complete.
+    - **rotation and atomic commits** by the engine: the newest `max_to_keep` backups are
+      kept (default 5, as the seed's `CheckpointManager`), one per training step; a backup
+      that a crash interrupted is never listed, and a damaged latest one is skipped with a
+      warning naming it, the one before it used instead.
     - **one run per directory**: a lock file makes a second run pointed at the same
       directory fail with a clear error while the first is alive.
-    - **any path**: a local directory or a URL (`gs://`, `s3://`, `memory://`).
-    - **chief only**: only the chief process writes, locks and deletes; every process
-      restores.
+    - **chief-coordinated**: every process hands its state to the engine (which writes each
+      process's share), only the chief locks and deletes.
     - **Keras's backups**: a `backup_dir` written by `keras.callbacks.BackupAndRestore`
       (`latest.weights.h5`, `training_metadata.json`, their `.bkp` copies) is resumed from,
       with a warning: its weights, optimizer state and epoch, from the start of that epoch
@@ -76,12 +76,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       the newest (and second newest) complete backup's files, None before there is one.
 
     The callback does not need `fit`: a custom loop can call `set_model`, `set_params`
-    (`{"epochs": ..., "steps": ...}`) and the `on_*` hooks, or `save(epoch, batch)` and
-    `restore()` directly.
+    (`{"epochs": ..., "steps": ...}`) and the `on_*` hooks, or `save(epoch, batch)`,
+    `wait()` and `restore()` directly.
 
     Args:
-        backup_dir: directory (path or URL) for the backups; it must not be shared with
-            other runs or other callbacks.
+        backup_dir: directory for the backups: a local path, or a URL the engine writes
+            (`gs://` on both backends; on TensorFlow any scheme `tf.io.gfile` has). It must
+            not be shared with other runs or other callbacks.
         save_freq: "epoch" (after every epoch), an integer N (every N training batches,
             counted across epochs), or False (never automatically; call `save`).
         double_checkpoint: accepted for Keras compatibility; keeping at least 2 backups
@@ -92,10 +93,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             refreshing it is considered stale; None never takes such a lock over. On the
             same host a lock is stale as soon as its process is gone.
         verbose: 1 prints a line for every save and restore.
+        save_on_background: write in the background (Keras's `OrbaxCheckpoint` name);
+            False waits for every save to be on disk before training goes on.
+        partial_restore: restore the variables that match and keep the others, instead of
+            refusing a checkpoint that does not fit the model.
 
     Example:
 
-    >>> import keras, numpy as np
+    >>> import keras, numpy as np, tempfile
     >>> from keras_accel.callbacks import BackupAndRestore
     >>> class Interrupt(keras.callbacks.Callback):
     ...     def on_epoch_begin(self, epoch, logs=None):
@@ -104,7 +109,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile("sgd", "mse")
     >>> x, y = np.ones((8, 2)), np.ones((8, 1))
-    >>> backup = BackupAndRestore("memory://doc/backup")
+    >>> backup = BackupAndRestore(tempfile.mkdtemp())
     >>> try:
     ...     model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, Interrupt()])
     ... except RuntimeError:
@@ -123,6 +128,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         max_to_keep: int = 5,
         lock_timeout: float | None = 600.0,
         verbose: int = 0,
+        save_on_background: bool = True,
+        partial_restore: bool = False,
     ):
         super().__init__()
         # Keras's wording first (code may match it), then what would work.
@@ -157,8 +164,22 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"Received: lock_timeout={lock_timeout!r}"
             )
         backup_dir = os.fspath(backup_dir)
-        if not io.is_remote(backup_dir):
+        if not files.is_remote(backup_dir):
             backup_dir = os.path.abspath(backup_dir.removeprefix("file://"))
+        self._engine_module = engines.engine_module(keras.backend.backend())
+        if not self._engine_module.supports(backup_dir):
+            raise ValueError(
+                f"BackupAndRestore stores training state through "
+                f"{self._engine_module.NAME}, which cannot write {backup_dir!r}: it writes "
+                "local paths and gs:// URLs"
+                + (
+                    " (and the schemes tf.io.gfile has)"
+                    if keras.backend.backend() == "tensorflow"
+                    else ""
+                )
+                + f". Received: backup_dir={backup_dir!r}. Use a local directory or a gs:// "
+                "bucket."
+            )
         self.backup_dir = backup_dir
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
@@ -166,6 +187,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.max_to_keep = max(max_to_keep, 2) if double_checkpoint else max_to_keep
         self.lock_timeout = lock_timeout
         self.verbose = verbose
+        self.save_on_background = bool(save_on_background)
+        self.partial_restore = bool(partial_restore)
+        self._engine = None
         self._lock = DirectoryLock(backup_dir, lock_timeout, self)
         self._training = False
         # Keras's names and meaning (code and Keras's tests read them): the epoch in progress
@@ -177,7 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_saved = 0
         self._save_at_epoch_end = False
         self._last_batch, self._batch_epoch = -1, None  # To count batches across epochs.
-        self._replay: dict | None = None  # The checkpoint to re-assign at the replay's end.
+        self._replay: dict | None = None  # The state to assign again at the replay's end.
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
@@ -208,6 +232,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.restore()
         except BaseException:
             # Leave the directory as it was: nothing saved, nobody locked out.
+            self._close()
             self._lock.release()
             self._training = False
             raise
@@ -257,10 +282,62 @@ class BackupAndRestore(keras.callbacks.Callback):
         state.resumed_at = None
         state.replay_epoch = None
         self._replay = None
-        if process.is_chief():
-            if self.delete_checkpoint:
+        try:
+            self.wait()  # The last save is on disk before fit returns.
+            if process.is_chief() and self.delete_checkpoint:
                 self._delete_all()
-            self._lock.release()
+        finally:
+            self._close()
+            if process.is_chief():
+                self._lock.release()
+
+    # ------------------------------------------------------------------ engine
+    def _open(self):
+        if self._engine is None:
+            # A fit of this process that an exception ended (Keras then skips on_train_end)
+            # may still be writing here in the background: let it finish first.
+            previous = _OPEN.pop(self.backup_dir, None)
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    previous.close()
+            self._engine = self._engine_module.Engine(
+                self.backup_dir, self.max_to_keep, asynchronous=self.save_on_background
+            )
+            _OPEN[self.backup_dir] = self._engine
+        return self._engine
+
+    def _close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            if _OPEN.get(self.backup_dir) is engine:
+                del _OPEN[self.backup_dir]
+            with contextlib.suppress(Exception):
+                engine.close()
+
+    def wait(self) -> None:
+        """Block until every backup this callback started is on disk.
+
+        Raises:
+            OSError: a background save failed (a full disk, a path that became unwritable);
+                the backups before it are intact.
+        """
+        if self._engine is None:
+            return
+        try:
+            self._engine.wait()
+        except Exception as error:
+            raise self._save_error(None, error) from error
+
+    def _save_error(self, step: int | None, error: Exception) -> OSError:
+        which = "a backup" if step is None else f"the backup of step {step}"
+        kept = ""
+        with contextlib.suppress(Exception):
+            kept = f" The backups before it (steps {self._open().steps()}) are intact."
+        return OSError(
+            f"BackupAndRestore: writing {which} to {self.backup_dir!r} failed: "
+            f"{type(error).__name__}: {error}.{kept} Free space or fix the path, then run "
+            "the same fit again to resume from the last backup."
+        )
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -268,19 +345,20 @@ class BackupAndRestore(keras.callbacks.Callback):
     ) -> str | None:
         """Back up the state at `batch` batches into `epoch` (batch 0: the epoch's start).
 
-        Returns the backup's path on the chief process, None elsewhere (which write nothing).
+        Every process calls this (the engine writes each one's share). With
+        `save_on_background=True` it returns once the state is copied off the devices; call
+        `wait()` to know it is on disk. Returns the backup's path.
         """
         model = self.model
         history = getattr(model, "history", None)
         if finished_epoch is not None and hasattr(history, "finish_epoch"):
             history.finish_epoch(finished_epoch, logs)
         self._last_saved = self._steps_done
-        if not process.is_chief():
-            return None
-        groups = _state.variable_groups(model)
-        data, manifest = _state.save_variables(groups)
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        state = tree.variables(model)
         steps = (self.params or {}).get("steps")
-        state = {
+        meta = {
             "format": FORMAT,
             "version": VERSION,
             "epoch": int(epoch),
@@ -290,134 +368,109 @@ class BackupAndRestore(keras.callbacks.Callback):
             "iterations": _optional_int(getattr(model.optimizer, "iterations", None)),
             "learning_rate": run_state(model).learning_rate,
             "history": history.to_dict() if hasattr(history, "to_dict") else None,
-            "rng": _state.rng_state(),
-            "manifest": manifest,
+            "rng": tree.rng_state(),
+            "manifest": tree.manifest(state),
             "backend": keras.backend.backend(),
+            "engine": self._engine_module.NAME,
             "keras_version": keras.__version__,
+            "keras_accel_version": _version(),
             "time": time.time(),
         }
-        files = {VARIABLES: data, STATE: json.dumps(state).encode("utf-8")}
-        path = self._write_checkpoint(_checkpoint_name(epoch, batch), files)
-        self._rotate()
-        self._lock.heartbeat(force=True)
+        engine = self._open()
+        # One checkpoint per training position, numbered by it: the steps done (the same as
+        # epoch * steps + batch when the epoch length is known, which a direct call uses).
+        step = int(epoch) * int(steps) + int(batch) if steps else int(self._steps_done)
+        try:
+            if engine.has(step):
+                # Only a backup this run restored past (an unusable one) sits at a step not
+                # yet done; this replaces it.
+                engine.wait()
+                engine.delete(step)
+            engine.save(step, state, meta)
+            if not self.save_on_background:
+                engine.wait()
+        except Exception as error:
+            raise self._save_error(step, error) from error
+        if process.is_chief():
+            # Rate-limited: a forced one (an fsynced write) cost a third of the save.
+            self._lock.heartbeat()
+            self._remove_keras_files()
+        path = engine.path(step)
         if self.verbose > 0:
             print_msg(f"\nBackupAndRestore: saved {path}")
         return path
 
-    def _write_checkpoint(self, name: str, files: dict[str, bytes]) -> str:
-        final = io.join(self.backup_dir, name)
-        temp = io.join(self.backup_dir, f".tmp-{name}-{os.getpid()}-{time.time_ns()}")
-        fs = io.filesystem(final)
-        io.makedirs(temp)
-        try:
-            for file_name, data in files.items():
-                with io.open(io.join(temp, file_name), "wb") as f:
-                    f.write(data)
-                fs.fsync_file(io.join(temp, file_name))
-            fs.fsync_dir(temp)
-            if io.exists(final):
-                # A backup of this position exists only if it was skipped as unusable when
-                # this run restored an older one; this replaces it.
-                io.rmtree(final)
-            io.rename(temp, final)
-            fs.fsync_dir(self.backup_dir)
-        except BaseException:
-            _quietly(io.rmtree, temp)
-            raise
-        # Written last: until it exists, the directory is not a backup.
-        marker = {
-            "files": {file_name: _sha256(data) for file_name, data in files.items()},
-        }
-        io.write_atomic(io.join(final, COMMITTED), json.dumps(marker))
-        return final
-
-    def _rotate(self) -> None:
-        # Runs right after a complete save, under the lock: any directory without a marker
-        # is a save that a crash interrupted, and temporary directories are leftovers.
-        names = self._checkpoint_names()
-        committed = [n for n in names if io.exists(io.join(self.backup_dir, n, COMMITTED))]
-        keep = set(committed[-self.max_to_keep :])
+    def _remove_keras_files(self) -> None:
+        # A Keras backup this run resumed from: the backup just started holds a later
+        # state, as Keras's own next save would overwrite its file.
         for name in self._listdir():
-            if (_NAME.match(name) and name not in keep) or name.startswith(".tmp-ckpt-"):
-                _quietly(io.rmtree, io.join(self.backup_dir, name))
-            elif name in KERAS_FILES:
-                # A Keras backup this run resumed from: the complete backup just written
-                # holds a later state, as Keras's own next save would overwrite its file.
-                _quietly(io.remove, io.join(self.backup_dir, name))
+            if name in KERAS_FILES:
+                _quietly(files.remove, files.join(self.backup_dir, name))
 
     def _delete_all(self) -> None:
-        for name in self._listdir():
-            if _NAME.match(name) or name.startswith(".tmp-ckpt-"):
-                _quietly(io.rmtree, io.join(self.backup_dir, name))
-            elif name in KERAS_FILES:  # Training finished: Keras would delete them too.
-                _quietly(io.remove, io.join(self.backup_dir, name))
+        self._open().delete_all()
+        self._remove_keras_files()
         remaining = [n for n in self._listdir() if n != LOCK_NAME]
         self._lock.release()
-        if not remaining:
-            _quietly(io.rmtree, self.backup_dir)
+        if not remaining and files.isdir(self.backup_dir):
+            _quietly(files.rmtree, self.backup_dir)
 
     # ------------------------------------------------------------------ restoring
     def checkpoints(self) -> list[str]:
         """Paths of the complete backups, oldest first."""
-        return [
-            io.join(self.backup_dir, name)
-            for name in self._checkpoint_names()
-            if io.exists(io.join(self.backup_dir, name, COMMITTED))
-        ]
+        if not files.isdir(self.backup_dir):
+            return []
+        engine = self._open()
+        return [engine.path(step) for step in engine.steps()]
 
     def restore(self) -> bool:
         """Restore the newest usable backup into the model; False if there is none.
 
-        A backup that cannot be read (missing marker, checksum mismatch, damaged file) is
-        skipped with a warning. One that does not fit the model raises a ValueError naming
-        the variable, as does a change in the number of batches per epoch when the backup
-        was taken mid-epoch.
+        A backup that cannot be read (damaged files, an unreadable record) is skipped with a
+        warning naming it, and the one before it is used. One that does not fit the model
+        raises a ValueError naming the variables, as does a change in the number of batches
+        per epoch when the backup was taken mid-epoch.
         """
-        if not io.isdir(self.backup_dir):
+        if not files.isdir(self.backup_dir):
             return False
-        names = self._checkpoint_names()
         listed = set(self._listdir())
         keras_files = [name for name in KERAS_FILES if name in listed]
+        engine = self._open()
+        engine.wait()
+        steps = engine.steps()
+        self._check_layout(listed, steps)
         if keras_files:
-            committed = self.checkpoints()
-            if committed:
+            if steps:
                 raise RuntimeError(
                     f"BackupAndRestore: backup_dir {self.backup_dir!r} holds a backup written "
                     f"by keras.callbacks.BackupAndRestore ({', '.join(keras_files)}) and "
-                    f"backups written by keras_accel ({', '.join(map(io.basename, committed))})"
-                    ", so which one is newer is unclear. Move away the one not to resume from "
-                    "(Keras's files, or the ckpt-* directories), or use another backup_dir."
-                )
-            for name in names:  # keras_accel saves that never completed.
-                warnings.warn(
-                    f"BackupAndRestore: skipping the incomplete backup "
-                    f"{io.join(self.backup_dir, name)!r} (no {COMMITTED} marker: its save was "
-                    "interrupted).",
-                    stacklevel=2,
+                    f"backups written by keras_accel (steps {steps}), so which one is newer "
+                    "is unclear. Move away the one not to resume from, or use another "
+                    "backup_dir."
                 )
             self._restore_keras(keras_files)
             return True
         unusable = []
-        for name in reversed(names):
-            path = io.join(self.backup_dir, name)
-            if not io.exists(io.join(path, COMMITTED)):
-                warnings.warn(
-                    f"BackupAndRestore: skipping the incomplete backup {path!r} (no "
-                    f"{COMMITTED} marker: its save was interrupted); using the one before it.",
-                    stacklevel=2,
-                )
-                continue
+        for step in reversed(steps):
+            path = engine.path(step)
             try:
-                checkpoint = self._read(path)
-            except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
-                warnings.warn(
-                    f"BackupAndRestore: skipping the unusable backup {path!r} ({e}); "
-                    "using the one before it.",
-                    stacklevel=2,
-                )
+                meta = engine.read_meta(step)
+                if meta.get("format") != FORMAT:
+                    raise ValueError(f"not a {FORMAT} backup (format={meta.get('format')!r})")
+            except Exception as error:  # Whatever the engine raises for a damaged record.
+                self._skip(path, error)
                 unusable.append(path)
                 continue
-            self._apply(checkpoint, path)
+            self._check_steps(meta, path)
+            state = self._state()
+            chosen = tree.to_restore(state, meta["manifest"], repr(path), self.partial_restore)
+            try:
+                engine.restore(step, chosen, meta["manifest"])
+            except Exception as error:
+                self._skip(path, error)
+                unusable.append(path)
+                continue
+            self._apply(meta, chosen, path)
             return True
         if unusable:
             raise RuntimeError(
@@ -427,49 +480,66 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         return False
 
-    def _read(self, path: str) -> dict[str, Any]:
-        marker = json.loads(io.read_text(io.join(path, COMMITTED)))
-        contents = {}
-        for file_name, digest in marker["files"].items():
-            data = io.read_bytes(io.join(path, file_name))
-            if _sha256(data) != digest:
-                raise ValueError(f"{file_name} does not match its checksum")
-            contents[file_name] = data
-        state = json.loads(contents[STATE].decode("utf-8"))
-        if state.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} backup (format={state.get('format')!r})")
-        arrays = _state.load_variables(contents[VARIABLES], state["manifest"])
-        return {"state": state, "arrays": arrays}
+    @staticmethod
+    def _skip(path: str, error: Exception) -> None:
+        warnings.warn(
+            f"BackupAndRestore: skipping the unusable backup {path!r} "
+            f"({type(error).__name__}: {str(error)[:300]}); using the one before it.",
+            stacklevel=3,
+        )
 
-    def _apply(self, checkpoint: dict[str, Any], path: str) -> None:
+    def _state(self) -> dict:
         model = self.model
-        state, arrays = checkpoint["state"], checkpoint["arrays"]
-        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)  # Its variables are restored too.
+        return tree.variables(model)
+
+    def _check_layout(self, listed: set[str], steps: list[int]) -> None:
+        """A directory of another format is refused with what it is, never ignored."""
+        if steps:
+            return
+        old = sorted(name for name in listed if name.startswith("ckpt-e") and "-b" in name)
+        other = None
+        if old:
+            other = f"keras_accel 0.1's npz backups ({', '.join(old[:3])})"
+        elif self._engine_module.NAME == "tf.train" and any(name.isdigit() for name in listed):
+            other = "Orbax checkpoints (numbered directories: written on KERAS_BACKEND=jax)"
+        elif self._engine_module.NAME == "orbax" and "checkpoint" in listed:
+            other = "tf.train checkpoints (written on KERAS_BACKEND=tensorflow)"
+        if other:
+            raise RuntimeError(
+                f"BackupAndRestore: backup_dir {self.backup_dir!r} holds {other}, which "
+                f"{self._engine_module.NAME} on KERAS_BACKEND={keras.backend.backend()} cannot "
+                "resume from. Resume with the backend that wrote them, or move them away to "
+                "start from scratch."
+            )
+
+    def _check_steps(self, meta: dict, path: str) -> None:
+        epoch, batch = int(meta["epoch"]), int(meta["batch"])
         steps = (self.params or {}).get("steps")
-        if batch and steps is not None and state.get("steps_per_epoch") not in (None, steps):
+        if batch and steps is not None and meta.get("steps_per_epoch") not in (None, steps):
             raise ValueError(
                 f"The backup {path!r} was taken {batch} batches into epoch {epoch + 1}, with "
-                f"{state['steps_per_epoch']} batches per epoch; this fit has {steps}. A "
+                f"{meta['steps_per_epoch']} batches per epoch; this fit has {steps}. A "
                 "mid-epoch resume needs the same data and batch size. Restore with the "
                 "original settings, or use another backup_dir."
             )
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        groups = _state.variable_groups(model)
-        _state.check_compatible(groups, state["manifest"], repr(path))
-        _state.assign_variables(groups, state["manifest"], arrays, ("model", "optimizer", "seed"))
-        _state.set_rng_state(state["rng"])
+
+    def _apply(self, meta: dict, restored: dict, path: str) -> None:
+        model = self.model
+        epoch, batch = int(meta["epoch"]), int(meta["batch"])
+        tree.set_rng_state(meta["rng"])
         history = getattr(model, "history", None)
-        if state.get("history") and hasattr(history, "load_dict"):
-            history.load_dict(state["history"])
+        if meta.get("history") and hasattr(history, "load_dict"):
+            history.load_dict(meta["history"])
         model._initial_epoch = epoch
         run = run_state(model)
         run.resumed_at = (epoch, batch)
         run.restores += 1
         if batch:
             run.replay_epoch, run.replay_batch = epoch, batch
-            self._replay = checkpoint
-        self._steps_done = self._last_saved = int(state["steps_done"])
+            self._replay = {"values": tree.snapshot(restored), "rng": meta["rng"]}
+        self._steps_done = self._last_saved = int(meta["steps_done"])
         self._last_batch, self._batch_epoch = batch - 1, epoch
         self._current_epoch, self._last_batch_seen = epoch, max(batch - 1, 0)
         if self.verbose > 0:
@@ -477,12 +547,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _finish_replay(self) -> None:
         """The re-run batches reached the backup's position: assign its state again."""
-        checkpoint, self._replay = self._replay, None
+        replay, self._replay = self._replay, None
         model = self.model  # On JAX, pulls the training state onto the variables first.
-        state, arrays = checkpoint["state"], checkpoint["arrays"]
-        groups = _state.variable_groups(model)
-        _state.assign_variables(groups, state["manifest"], arrays)
-        _state.set_rng_state(state["rng"])
+        tree.assign(tree.variables(model), replay["values"])
+        tree.set_rng_state(replay["rng"])
         # `replay_epoch` stays set until the epoch ends: callbacks after this one in the
         # list must still see this batch as a replayed one.
         run_state(model).restores += 1
@@ -536,7 +604,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             f"BackupAndRestore: resuming from a backup written by "
             f"keras.callbacks.BackupAndRestore in {self.backup_dir!r} ({', '.join(found)}): "
             f"the weights and optimizer state, starting at epoch {epoch + 1}.{inside} The next "
-            "backup is written in keras_accel's layout (ckpt-* directories) and replaces "
+            "backup is written by the engine and replaces "
             "these files.",
             stacklevel=2,
         )
@@ -546,12 +614,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         epoch = batch = 0
         if metadata is not None:
-            record = json.loads(io.read_text(io.join(self.backup_dir, metadata)))
+            record = json.loads(files.read_text(files.join(self.backup_dir, metadata)))
             epoch, batch = int(record["epoch"]), int(record.get("batch", 0))
         if weights is not None:
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)  # Its variables are saved too.
-            with io.local_copy(io.join(self.backup_dir, weights)) as local:
+            with files.local_copy(files.join(self.backup_dir, weights)) as local:
                 if local.endswith(".weights.h5"):
                     model.load_weights(local)
                 else:
@@ -566,38 +634,41 @@ class BackupAndRestore(keras.callbacks.Callback):
     # ------------------------------------------------------------------ Keras's attributes
     # Keras's BackupAndRestore keeps one backup at fixed paths (and the one before it, with
     # double_checkpoint=True); code written for it, Keras's tests among it, reads them. Here
-    # they name the files of the newest and second-newest complete backup (the variables
-    # and the state, which holds the epoch and batch), or are None where there is none.
+    # they name the newest and second-newest complete backup (the engine's arrays, and the
+    # record that holds the epoch and batch), or are None where there is none.
     @property
     def _weights_path(self) -> str | None:
-        return self._backup_file(1, VARIABLES)
+        return self._backup_file(1, 0)
 
     @property
     def _training_metadata_path(self) -> str | None:
-        return self._backup_file(1, STATE)
+        return self._backup_file(1, 1)
 
     @property
     def _prev_weights_path(self) -> str | None:
-        return self._backup_file(2, VARIABLES)
+        return self._backup_file(2, 0)
 
     @property
     def _prev_training_metadata_path(self) -> str | None:
-        return self._backup_file(2, STATE)
+        return self._backup_file(2, 1)
 
-    def _backup_file(self, newest: int, name: str) -> str | None:
-        complete = self.checkpoints()
-        return io.join(complete[-newest], name) if len(complete) >= newest else None
+    def _backup_file(self, newest: int, which: int) -> str | None:
+        if not files.isdir(self.backup_dir):
+            return None
+        engine = self._open()
+        steps = engine.steps()
+        return engine.files(steps[-newest])[which] if len(steps) >= newest else None
 
     # ------------------------------------------------------------------ directory
     def _prepare_directory(self) -> None:
         path = self.backup_dir
         try:
-            if io.exists(path) and not io.isdir(path):
+            if files.exists(path) and not files.isdir(path):
                 raise NotADirectoryError(
                     f"BackupAndRestore: backup_dir {path!r} is a file, not a directory. "
                     "Point backup_dir at a directory (it is created if missing)."
                 )
-            io.makedirs(path)
+            files.makedirs(path)
         except NotADirectoryError as e:
             if "is a file, not a directory" in str(e):
                 raise
@@ -618,21 +689,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _listdir(self) -> list[str]:
         try:
-            return io.listdir(self.backup_dir)
+            return files.listdir(self.backup_dir)
         except (FileNotFoundError, NotADirectoryError):
             return []
-
-    def _checkpoint_names(self) -> list[str]:
-        """Backup directory names, oldest first (the names sort by position)."""
-        return sorted(name for name in self._listdir() if _NAME.match(name))
-
-
-def _checkpoint_name(epoch: int, batch: int) -> str:
-    return f"ckpt-e{epoch:06d}-b{batch:08d}"
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _optional_int(value) -> int | None:
@@ -642,6 +701,12 @@ def _optional_int(value) -> int | None:
         return int(value.numpy() if hasattr(value, "numpy") else value)
     except (TypeError, ValueError):
         return None
+
+
+def _version() -> str:
+    import keras_accel
+
+    return keras_accel.__version__
 
 
 def _quietly(function, *args) -> None:

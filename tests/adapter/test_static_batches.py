@@ -201,17 +201,22 @@ def test_shuffle_order_is_a_function_of_the_epoch_so_resuming_is_exact():
 
 def test_saved_weights_are_the_weights_that_were_used(tmp_path):
     # After distributed training with BatchNorm, the weights file (first replica's copy on TF)
-    # must reproduce the Accelerator's predictions on a single device.
+    # and the whole-model file (the second seed's HDF5 failure) load into a single-device
+    # model with plain Keras and reproduce the Accelerator's predictions.
     acc = Accelerator(seed=3)
     model, twin = _pair(acc)
     x, y = data(77, seed=2)
     acc.fit(model, x * 3.0, y, batch_size=16, epochs=2, verbose=0)
+    expected = acc.predict(model, x, verbose=0)
     path = str(tmp_path / "trained.weights.h5")
     model.save_weights(path)
     twin.load_weights(path)
-    np.testing.assert_allclose(
-        acc.predict(model, x, verbose=0), np.asarray(twin(x, training=False)), atol=1e-5
-    )
+    np.testing.assert_allclose(expected, np.asarray(twin(x, training=False)), atol=1e-5)
+    whole = str(tmp_path / "trained.keras")
+    model.save(whole)
+    loaded = keras.saving.load_model(whole)  # Outside any scope: one device.
+    np.testing.assert_allclose(expected, np.asarray(loaded(x, training=False)), atol=1e-5)
+    assert loaded.optimizer.iterations.numpy() == model.optimizer.iterations.numpy()
 
 
 def test_guard_warm_up_is_per_model():

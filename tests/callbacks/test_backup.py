@@ -7,14 +7,12 @@ import random
 import re
 import subprocess
 import sys
-import uuid
 import warnings
 
 import keras
 import numpy as np
 import pytest
 
-from keras_accel import io
 from keras_accel.callbacks import BackupAndRestore, History
 from keras_accel.callbacks._lock import LOCK_NAME
 from keras_accel.utils import process
@@ -31,23 +29,22 @@ class Interrupt(keras.callbacks.Callback):
             raise KeyboardInterrupt
 
 
-def test_interrupted_fit_resumes_where_it_stopped_on_remote_storage():
-    """Keras's own example, on memory://: the second fit runs only the missing epochs and
-    the History record continues, with every epoch once."""
-    backup_dir = f"memory://backup-{uuid.uuid4().hex[:8]}"
+def test_interrupted_fit_resumes_where_it_stopped(tmp_path):
+    """Keras's own example: the second fit runs only the missing epochs and the History
+    record continues, with every epoch once."""
+    backup_dir = str(tmp_path / "backup")
     x, y = data(40)
-    model = compiled_mlp()
-    history = History(path=f"{backup_dir}-history.json")
+    model = _fresh()
+    history = History(path=str(tmp_path / "history.json"))
     backup = BackupAndRestore(backup_dir)
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, history, Interrupt(2)])
-    names = io.listdir(backup_dir)
-    assert names == [LOCK_NAME, "ckpt-e000001-b00000000", "ckpt-e000002-b00000000"]
+    backup.wait()  # Keras skips on_train_end on an exception: the saves finish anyway.
+    assert [int(_step(p)) for p in backup.checkpoints()] == [2, 4]  # 2 steps an epoch
 
     # A new process: fresh objects, same model definition.
-    keras.backend.clear_session(free_memory=False)
-    model = compiled_mlp(seed=7)  # Different initial weights: the backup must win.
-    history = History(path=f"{backup_dir}-history.json")
+    model = _fresh(seed=7)  # Different initial weights: the backup must win.
+    history = History(path=str(tmp_path / "history.json"))
     with warnings.catch_warnings():
         # Same process, same callback object: its own lock is no "stale lock".
         warnings.simplefilter("error", UserWarning)
@@ -57,9 +54,20 @@ def test_interrupted_fit_resumes_where_it_stopped_on_remote_storage():
     assert len(history.history["loss"]) == 4
     # 2 steps per epoch: 4 restored with the optimizer, 4 trained now, none doubled.
     assert model.optimizer.iterations.numpy() == 4 * 2
-    assert not io.exists(backup_dir)  # delete_checkpoint=True removes everything.
+    assert not os.path.exists(backup_dir), os.listdir(backup_dir)  # delete_checkpoint: all gone
     assert model._initial_epoch is None  # A later fit starts where it is told to.
-    io.remove(f"{backup_dir}-history.json")
+
+
+def _step(path):
+    """The step number of a checkpoint path (Orbax: `<dir>/<step>`; tf.train: `ckpt-<step>`)."""
+    return os.path.basename(path).removeprefix("ckpt-")
+
+
+def _fresh(**kwargs):
+    """A compiled model with a built optimizer, named as in a new process: Keras numbers the
+    layers of every model built in one session on (dense, dense_1, ...)."""
+    keras.backend.clear_session(free_memory=False)
+    return _compiled_and_built(**kwargs)
 
 
 def _compiled_and_built(**kwargs):
@@ -80,7 +88,7 @@ def _shift(model, amount):
 
 
 def test_restores_weights_optimizer_rng_and_position(tmp_path):
-    model = _compiled_and_built()
+    model = _fresh()
     model.optimizer.iterations.assign(7)
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
     _start(backup, model)
@@ -93,7 +101,7 @@ def test_restores_weights_optimizer_rng_and_position(tmp_path):
     expected = weights_of(model)
     backup.on_train_end()
 
-    other = _compiled_and_built(seed=9)
+    other = _fresh(seed=9)
     restored = BackupAndRestore(str(tmp_path))
     _start(restored, other)
     assert [np.array_equal(a, b) for a, b in zip(weights_of(other), expected)] == [True] * len(
@@ -105,67 +113,81 @@ def test_restores_weights_optimizer_rng_and_position(tmp_path):
     restored.on_train_end()
 
 
-def test_partial_and_corrupt_latest_fall_back_to_the_previous(tmp_path):
-    model = _compiled_and_built()
-    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+def _damage(path):
+    """Overwrite the middle of the largest file under `path` (a checkpoint's arrays)."""
+    candidates = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    )
+    target = max(candidates, key=os.path.getsize)
+    size = os.path.getsize(target)
+    with open(target, "r+b") as f:
+        f.truncate(max(size // 3, 1))
+    return target
+
+
+def test_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path):
+    model = _fresh()
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
     _start(backup, model)
     backup.save(1, 0)
     good = weights_of(model)
     _shift(model, 1.0)
-    corrupt = backup.save(2, 0)
-    _shift(model, 1.0)
+    damaged = backup.save(2, 0)
     backup.on_train_end()
-    # The newest one has damaged data; a still newer one never got its marker (killed).
-    with open(os.path.join(corrupt, "variables.npz"), "r+b") as f:
-        f.seek(100)
-        f.write(b"\0garbage\0")
-    partial = tmp_path / "ckpt-e000003-b00000000"
-    partial.mkdir()
-    (partial / "variables.npz").write_bytes(b"half")
+    _damage(backup._open().files(int(_step(damaged)))[0])
 
-    other = _compiled_and_built(seed=4)
+    other = _fresh(seed=4)
     restored = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
-    with pytest.warns(UserWarning) as caught:
+    with pytest.warns(
+        UserWarning, match=rf"skipping the unusable backup {re.escape(repr(damaged))}"
+    ):
         _start(restored, other)
-    messages = " | ".join(str(w.message) for w in caught)
-    assert "incomplete backup" in messages and "ckpt-e000003" in messages
-    assert "checksum" in messages and "ckpt-e000002" in messages
     assert all(np.array_equal(a, b) for a, b in zip(weights_of(other), good))
     assert other._initial_epoch == 1
-    # The next save replaces the failed ones and rotation removes the partial directory.
+    # The next save at the damaged one's position replaces it.
     restored.save(2, 0)
-    assert sorted(restored.checkpoints()) == [
-        str(tmp_path / "ckpt-e000001-b00000000"),
-        str(tmp_path / "ckpt-e000002-b00000000"),
-    ]
-    assert not partial.exists()
+    restored.wait()
+    assert [int(_step(p)) for p in restored.checkpoints()] == [3, 6]
     restored.on_train_end()
+    third = _fresh(seed=5)
+    final = BackupAndRestore(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _start(final, third)
+    assert third._initial_epoch == 2
+    final.on_train_end()
 
 
 def test_nothing_usable_is_an_error_and_nothing_is_deleted(tmp_path):
-    model = _compiled_and_built()
-    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
-    _start(backup, model)
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    _start(backup, _fresh())
     path = backup.save(1, 0)
     backup.on_train_end()
-    (tmp_path / "ckpt-e000001-b00000000" / "state.json").write_text("{}")
+    arrays, record = backup._open().files(int(_step(path)))
+    _damage(arrays)
+    before = sorted(os.listdir(tmp_path))
     restored = BackupAndRestore(str(tmp_path))
-    with pytest.warns(UserWarning, match="checksum"), pytest.raises(RuntimeError, match="none"):
-        _start(restored, _compiled_and_built())
-    assert os.path.isdir(path) and not (tmp_path / LOCK_NAME).exists()
+    with pytest.warns(UserWarning, match="unusable"), pytest.raises(RuntimeError, match="none"):
+        _start(restored, _fresh())
+    assert sorted(os.listdir(tmp_path)) == before  # Nothing deleted, no lock left.
+    assert LOCK_NAME not in before
 
 
-def test_a_different_model_names_the_variable_and_changes_nothing(tmp_path):
-    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
-    _start(backup, _compiled_and_built())
+def test_a_different_model_names_the_variables_and_changes_nothing(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    _start(backup, _fresh())
     path = backup.save(1, 0)
     backup.on_train_end()
-    before = {name: (tmp_path / path / name).read_bytes() for name in os.listdir(path)}
+    before = {p: (pathlib.Path(p).read_bytes() if os.path.isfile(p) else None)
+              for p in map(str, pathlib.Path(tmp_path).rglob("*"))}  # fmt: skip
 
-    wider = keras.Sequential(  # compiled_mlp's layers, but 32 units instead of 16.
+    keras.backend.clear_session(free_memory=False)
+    wider = keras.Sequential(  # compiled_mlp's layers, the first 32 units wide, not 16.
         [
             keras.Input((6,)),
-            keras.layers.Dense(32, name="wide"),
+            keras.layers.Dense(32),
             keras.layers.BatchNormalization(),
             keras.layers.ReLU(),
             keras.layers.Dense(3),
@@ -178,37 +200,133 @@ def test_a_different_model_names_the_variable_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError) as error:
         _start(restored, wider)
     message = str(error.value)
-    assert "wide/kernel" in message and "(6, 32)" in message and "(6, 16)" in message
+    assert "'model/sequential/dense/kernel' (6, 16) saved, (6, 32) here" in message
+    assert "partial_restore=True" in message
     assert all(np.array_equal(a, b) for a, b in zip(weights_of(wider), initial))
-    assert {name: (tmp_path / path / name).read_bytes() for name in os.listdir(path)} == before
-    assert not (tmp_path / LOCK_NAME).exists()  # Released: the run can be fixed and rerun.
+    after = {p: (pathlib.Path(p).read_bytes() if os.path.isfile(p) else None)
+             for p in map(str, pathlib.Path(tmp_path).rglob("*"))}  # fmt: skip
+    assert after == before  # Nothing changed, and the lock released: fix and rerun.
 
+    keras.backend.clear_session(free_memory=False)
     shallower = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, name="only")])
     shallower.compile("sgd", "mse")
-    with pytest.raises(ValueError, match=r"holds 8 model variables, this model has 2.*only"):
+    with pytest.raises(ValueError) as error:
         _start(BackupAndRestore(str(tmp_path)), shallower)
+    message = str(error.value)
+    assert "not in the checkpoint: 'model/sequential/only/kernel'" in message
+    assert "in the checkpoint but not in this model: 'model/sequential/dense/kernel'" in message
+    del path
+
+
+def test_partial_restore_takes_what_matches_and_names_the_rest(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    model = _fresh()
+    _start(backup, model)
+    backup.save(1, 0)
+    saved = {v.path: np.asarray(v.numpy()) for v in model.variables}
+    backup.on_train_end()
+    keras.backend.clear_session(free_memory=False)
+    grown = keras.Sequential(  # Same first layers, another head.
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.Dense(5),
+        ]
+    )
+    grown.compile("sgd", "sparse_categorical_crossentropy")
+    grown.optimizer.build(grown.trainable_variables)
+    head = np.asarray(grown.layers[-1].kernel.numpy())
+    with pytest.warns(UserWarning, match=r"partial restore .*sequential/dense_1/kernel"):
+        _start(BackupAndRestore(str(tmp_path), partial_restore=True), grown)
+    first = grown.layers[0]
+    np.testing.assert_array_equal(first.kernel.numpy(), saved[first.kernel.path])
+    np.testing.assert_array_equal(grown.layers[-1].kernel.numpy(), head)  # Reshaped: kept.
+
+
+def test_a_model_built_again_in_one_session_is_told_why_names_differ(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    _start(backup, _fresh())
+    backup.save(1, 0)
+    backup.on_train_end()
+    again = _compiled_and_built()  # No clear_session: Keras numbers its layers on.
+    with pytest.raises(ValueError, match=r"differ only in Keras's automatic numbering"):
+        _start(BackupAndRestore(str(tmp_path)), again)
 
 
 def test_rotation_keeps_max_to_keep(tmp_path):
     backup = BackupAndRestore(str(tmp_path), max_to_keep=2, delete_checkpoint=False)
-    _start(backup, _compiled_and_built())
+    _start(backup, _fresh())
     for epoch in range(1, 5):
         backup.save(epoch, 0)
-    assert [os.path.basename(p) for p in backup.checkpoints()] == [
-        "ckpt-e000003-b00000000",
-        "ckpt-e000004-b00000000",
-    ]
+    backup.wait()
+    assert [int(_step(p)) for p in backup.checkpoints()] == [9, 12]
     backup.on_train_end()
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-e000003-b00000000", "ckpt-e000004-b00000000"]
+
+
+def test_saving_in_the_background_and_waiting(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)  # save_on_background
+    _start(backup, _fresh())
+    path = backup.save(1, 0)
+    backup.wait()  # On disk after wait(), whatever the engine's timing.
+    assert backup.checkpoints() == [path]
+    blocking = BackupAndRestore(str(tmp_path / "b"), save_on_background=False)
+    _start(blocking, _fresh())
+    path = blocking.save(1, 0)
+    assert blocking.checkpoints() == [path]  # On disk when save() returns.
+    blocking.on_train_end()
+    backup.on_train_end()
+
+
+def test_a_failing_save_is_a_clear_error_and_the_previous_backups_survive(tmp_path, monkeypatch):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    model = _fresh()
+    _start(backup, model)
+    first = backup.save(1, 0)
+    engine = backup._open()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "save", full_disk)
+    with pytest.raises(OSError, match=r"writing the backup of step 6 .* No space left on device"
+                       r".* backups before it \(steps \[3\]\) are intact"):  # fmt: skip
+        backup.save(2, 0)
+    monkeypatch.undo()
+    backup.on_train_end()
+    restored = BackupAndRestore(str(tmp_path))
+    _start(restored, _fresh(seed=3))
+    assert restored.checkpoints() == [first] and restored.model._initial_epoch == 1
+    restored.on_train_end()
+
+
+def test_a_background_save_that_fails_is_reported_by_the_next_wait(tmp_path, monkeypatch):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    _start(backup, _fresh())
+    backup.save(1, 0)
+    engine = backup._open()
+    real_wait = engine.wait
+    real_wait()
+
+    def failed_in_the_background():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine, "wait", failed_in_the_background)
+    with pytest.raises(OSError, match=r"writing a backup to .* No space left on device"):
+        backup.wait()
+    monkeypatch.setattr(engine, "wait", real_wait)
+    backup.on_train_end()
+    assert [int(_step(p)) for p in backup.checkpoints()] == [3]
 
 
 def test_mid_epoch_backup_needs_the_same_epoch_length(tmp_path):
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
-    _start(backup, _compiled_and_built(), steps=10)
+    _start(backup, _fresh(), steps=10)
     backup.save(1, 4)
     backup.on_train_end()
     with pytest.raises(ValueError, match=r"4 batches into epoch 2, with 10 batches.*has 7"):
-        _start(BackupAndRestore(str(tmp_path)), _compiled_and_built(), steps=7)
+        _start(BackupAndRestore(str(tmp_path)), _fresh(), steps=7)
 
 
 def test_backup_dir_that_is_a_file(tmp_path):
@@ -218,12 +336,20 @@ def test_backup_dir_that_is_a_file(tmp_path):
         _start(BackupAndRestore(str(target)), _compiled_and_built())
     with pytest.raises(NotADirectoryError, match="a part of it is a file"):
         _start(BackupAndRestore(str(target / "sub")), _compiled_and_built())
-    remote = f"memory://file-{uuid.uuid4().hex[:8]}"
-    io.write_bytes(remote, b"precious")
-    with pytest.raises(NotADirectoryError, match="is a file"):
-        _start(BackupAndRestore(remote), _compiled_and_built())
-    assert target.read_text() == "precious" and io.read_bytes(remote) == b"precious"
-    io.remove(remote)
+    assert target.read_text() == "precious"
+
+
+def test_a_path_the_engine_cannot_write_is_refused_at_once():
+    with pytest.raises(ValueError, match=r"cannot write 'memory://run'.*Received: backup_dir"):
+        BackupAndRestore("memory://run")
+
+
+def test_another_format_in_backup_dir_is_refused_with_what_it_is(tmp_path):
+    old = tmp_path / "ckpt-e000001-b00000000"  # keras_accel 0.1's npz layout
+    old.mkdir()
+    (old / "variables.npz").write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"keras_accel 0\.1's npz backups"):
+        _start(BackupAndRestore(str(tmp_path)), _fresh())
 
 
 def _unwritable(tmp_path):
@@ -277,8 +403,10 @@ def test_lock_of_another_host_is_stale_after_the_timeout(tmp_path):
         _start(BackupAndRestore(str(tmp_path), lock_timeout=60), _compiled_and_built())
 
 
-def test_non_chief_processes_write_nothing(tmp_path, monkeypatch):
-    """A whole fit as process 1 of 2: every callback restores/records, none writes."""
+def test_non_chief_processes_write_only_their_share_of_the_state(tmp_path, monkeypatch):
+    """A whole fit as process 1 of 2: every callback restores/records; the logs and files
+    are the chief's, the backup's arrays go to the engine from every process (each writes
+    what it holds), but no lock and no deletion."""
     from keras_accel.callbacks import ModelCheckpoint
 
     monkeypatch.setattr(process, "process_index", lambda: 1)
@@ -291,7 +419,8 @@ def test_non_chief_processes_write_nothing(tmp_path, monkeypatch):
     x, y = data(40)
     history = compiled_mlp().fit(x, y, epochs=2, verbose=0, callbacks=callbacks)
     assert history.epoch == [0, 1]
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["backup"]
+    assert LOCK_NAME not in os.listdir(backup_dir)
 
 
 def test_arguments_are_checked():
@@ -347,18 +476,13 @@ def test_keras_attribute_names(tmp_path):
         assert (backup._current_epoch, backup._last_batch_seen) == (epoch + 1, 0)
     # Every 2 batches, counted across epochs: after batch 2, after batch 4 (1 into the
     # second epoch), and after batch 6, the end of the second epoch (saved as epoch 3's start).
-    assert [os.path.basename(p) for p in backup.checkpoints()] == [
-        "ckpt-e000000-b00000002",
-        "ckpt-e000001-b00000001",
-        "ckpt-e000002-b00000000",
-    ]
-    newest, previous = backup.checkpoints()[2], backup.checkpoints()[1]
-    assert backup._weights_path == os.path.join(newest, "variables.npz")
-    assert backup._training_metadata_path == os.path.join(newest, "state.json")
-    assert backup._prev_weights_path == os.path.join(previous, "variables.npz")
-    assert backup._prev_training_metadata_path == os.path.join(previous, "state.json")
-    metadata = json.loads(pathlib.Path(backup._prev_training_metadata_path).read_text())
-    assert (metadata["epoch"], metadata["batch"]) == (1, 1)
+    backup.wait()
+    assert [int(_step(p)) for p in backup.checkpoints()] == [2, 4, 6]
+    engine = backup._open()
+    assert (backup._weights_path, backup._training_metadata_path) == engine.files(6)
+    assert (backup._prev_weights_path, backup._prev_training_metadata_path) == engine.files(4)
+    assert all(os.path.exists(p) for p in engine.files(4) + engine.files(6))
+    assert (engine.read_meta(4)["epoch"], engine.read_meta(4)["batch"]) == (1, 1)
     backup.on_train_end()
 
 
@@ -429,8 +553,8 @@ def test_resumes_from_a_keras_backup(tmp_path):
     # Keras's weights and optimizer state after epoch 2 (3 steps an epoch), then epochs 3-4.
     assert _same(record.at_start[0], keras_run.at_end[1]) and record.at_start[1] == 6
     assert history.epoch == [2, 3] and int(model.optimizer.iterations.numpy()) == 12
-    # The first backup in keras_accel's layout replaced Keras's files; the end removed all.
-    assert record.listed[2] == [LOCK_NAME, "ckpt-e000003-b00000000"]
+    # The first backup by the engine replaced Keras's files; the end removed all.
+    assert not set(KERAS_FILES) & set(record.listed[2]) and LOCK_NAME in record.listed[2]
     assert not os.path.exists(folder)
 
 
@@ -467,7 +591,7 @@ def test_keras_and_keras_accel_backups_in_one_directory_is_an_error(tmp_path):
     with pytest.raises(
         RuntimeError,
         match=r"\(training_metadata\.json\) and backups written by "
-        r"keras_accel \(ckpt-e000001-b00000000\).*Move away the one",
+        r"keras_accel \(steps \[3\]\).*Move away the one",
     ):
         _start(BackupAndRestore(str(tmp_path)), _compiled_and_built())
     assert not (tmp_path / LOCK_NAME).exists()
@@ -475,11 +599,11 @@ def test_keras_and_keras_accel_backups_in_one_directory_is_an_error(tmp_path):
 
 def test_verbose_prints_saves_and_restores(tmp_path, capsys):
     backup = BackupAndRestore(str(tmp_path), verbose=1, delete_checkpoint=False)
-    _start(backup, _compiled_and_built())
+    _start(backup, _fresh())
     path = backup.save(1, 0)
     backup.on_train_end()
     restored = BackupAndRestore(str(tmp_path), verbose=1)
-    _start(restored, _compiled_and_built())
+    _start(restored, _fresh())
     restored.on_train_end()
     assert capsys.readouterr().out == (
         f"\nBackupAndRestore: saved {path}\nBackupAndRestore: restored {path} (epoch 2, batch 0)\n"

@@ -1,0 +1,48 @@
+"""Checkpoint engines: one module per Keras backend behind one small contract, imported lazily.
+
+- JAX: Orbax (`orbax.checkpoint.CheckpointManager`), what JAX and Keras use: every array is
+  written where it lives (sharded arrays by the processes that hold them, never gathered to
+  one host), asynchronously, committed atomically, old steps rotated out.
+- TensorFlow: `tf.train.Checkpoint` with `tf.train.CheckpointManager`, what the first seed
+  uses: it saves a `MirroredVariable` once and restores it into every replica, writes
+  through `tf.io.gfile` (`gs://` from a TPU host, which cannot write local files), and saves
+  asynchronously (`CheckpointOptions(experimental_enable_async_checkpoint=True)`). Orbax
+  would first copy every TensorFlow variable into host numpy arrays, with no knowledge of
+  the strategy; tf.train is TensorFlow's own engine.
+
+An engine opened on a directory answers:
+
+- `save(step, variables, meta)`: the variables (`{key: keras.Variable}`) and a JSON-able
+  `meta` dict, as one checkpoint of number `step`, committed atomically (the engine's own
+  commit: Orbax's rename or commit marker, TensorFlow's index file and state file). It may
+  return before the data is on disk;
+- `wait()`: until every save is on disk (raises what a failed background save raised);
+- `steps()`: the numbers of the committed checkpoints, oldest first;
+- `has(step)`, `read_meta(step)`, `restore(step, variables, manifest)` (assigns the saved
+  values into the given variables; `manifest` is what the checkpoint holds),
+  `delete(step)`, `delete_all()`, `close()`;
+- `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);
+- `directory`, `name`, and `supports(path)` for the paths it can write.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+ENGINES = {"jax": "orbax", "tensorflow": "tf_train"}
+
+
+def engine_module(backend: str):
+    """The engine module for a Keras backend; a clear error where there is none."""
+    name = ENGINES.get(backend)
+    if name is None:
+        raise NotImplementedError(
+            f"keras_accel stores training state through Orbax (KERAS_BACKEND=jax) or "
+            f"tf.train (KERAS_BACKEND=tensorflow). Received: KERAS_BACKEND={backend!r}. Use "
+            "one of those backends for BackupAndRestore."
+        )
+    return importlib.import_module(f"keras_accel.state.engines.{name}")
+
+
+def open_engine(backend: str, directory: str, max_to_keep: int, asynchronous: bool):
+    return engine_module(backend).Engine(directory, max_to_keep, asynchronous)

@@ -1,0 +1,140 @@
+"""tf.train on TensorFlow: `tf.train.Checkpoint` with `CheckpointManager`, asynchronous."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import tensorflow as tf
+
+from keras_accel.state import files
+
+NAME = "tf.train"
+PREFIX = "ckpt"
+_META_KEY = "meta/.ATTRIBUTES/VARIABLE_VALUE"
+_NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+def supports(path: str) -> bool:
+    # tf.io.gfile: local paths, gs://, and whatever file systems TensorFlow has registered.
+    kind = files.scheme(path)
+    return kind in ("", "file") or kind in _gfile_schemes()
+
+
+def _gfile_schemes() -> set[str]:
+    schemes = {"gs", "ram"}
+    try:
+        from tensorflow.python.lib.io import file_io
+
+        schemes |= set(file_io.get_registered_schemes())
+    except (ImportError, AttributeError):
+        pass
+    return schemes
+
+
+class Engine:
+    name = NAME
+
+    def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
+        self.directory = files.local_path(directory)
+        # A save that a kill interrupted leaves `ckpt-N_temp`: never listed as a checkpoint
+        # (the state file names complete ones only), removed when a run starts here.
+        for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*_temp")):
+            _remove(path)
+        self.max_to_keep = max_to_keep
+        self.options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=asynchronous)
+        self._checkpoint = None
+        self._manager = None
+        self._meta = None
+        self._keys: tuple | None = None
+
+    def _bind(self, variables: dict) -> None:
+        keys = tuple(variables)
+        if self._keys == keys:
+            return
+        self.wait()
+        # The meta record is a string variable inside the checkpoint, so it commits with
+        # the arrays, atomically.
+        with tf.device("/cpu:0"):
+            self._meta = tf.Variable("", dtype=tf.string, trainable=False)
+        self._checkpoint = tf.train.Checkpoint(
+            values={key: variable.value for key, variable in variables.items()}, meta=self._meta
+        )
+        self._manager = tf.train.CheckpointManager(
+            self._checkpoint, self.directory, max_to_keep=self.max_to_keep, checkpoint_name=PREFIX
+        )
+        self._keys = keys
+
+    def save(self, step: int, variables: dict, meta: dict) -> None:
+        self._bind(variables)
+        self._meta.assign(json.dumps(meta))
+        self._manager.save(checkpoint_number=step, options=self.options)
+
+    def path(self, step: int) -> str:
+        return self._path(step)
+
+    def files(self, step: int) -> tuple[str, str]:
+        """(the arrays, the index that holds the record) of checkpoint `step`."""
+        data = sorted(tf.io.gfile.glob(f"{self._path(step)}.data-*"))
+        return (data[0] if data else f"{self._path(step)}.data"), f"{self._path(step)}.index"
+
+    def wait(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint.sync()
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{PREFIX}-{step}")
+
+    def steps(self) -> list[int]:
+        # What the state file lists (written after a save's files are complete), that also
+        # has its index on disk.
+        state = tf.train.get_checkpoint_state(self.directory)
+        listed = list(state.all_model_checkpoint_paths) if state is not None else []
+        numbers = []
+        for path in listed:
+            match = _NUMBER.match(os.path.basename(path))
+            if match and tf.io.gfile.exists(f"{self._path(int(match.group(1)))}.index"):
+                numbers.append(int(match.group(1)))
+        return sorted(set(numbers))
+
+    def read_meta(self, step: int) -> dict:
+        reader = tf.train.load_checkpoint(self._path(step))
+        value = reader.get_tensor(_META_KEY)
+        return json.loads(value.decode("utf-8") if isinstance(value, bytes) else value)
+
+    def has(self, step: int) -> bool:
+        return step in self.steps()
+
+    def restore(self, step: int, variables: dict, manifest: dict) -> None:
+        checkpoint = tf.train.Checkpoint(
+            values={key: variable.value for key, variable in variables.items()}
+        )
+        # Every asked-for value must be in the checkpoint (the caller checked the manifest);
+        # the meta record and anything the caller chose not to restore are left unread.
+        status = checkpoint.restore(self._path(step))
+        status.expect_partial()
+        status.assert_existing_objects_matched()
+
+    def delete(self, step: int) -> None:
+        for path in tf.io.gfile.glob(f"{self._path(step)}.*"):
+            _remove(path)
+
+    def delete_all(self) -> None:
+        self.wait()
+        # The checkpoints, and the `ckpt-N_temp` directory of a save that a kill interrupted.
+        for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*")):
+            _remove(path)
+        state_file = os.path.join(self.directory, "checkpoint")
+        if tf.io.gfile.exists(state_file):
+            tf.io.gfile.remove(state_file)
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _remove(path: str) -> None:
+    if tf.io.gfile.isdir(path):
+        tf.io.gfile.rmtree(path)
+    else:
+        tf.io.gfile.remove(path)

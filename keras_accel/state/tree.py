@@ -1,0 +1,204 @@
+"""The training state as variables keyed by path, and the checks a restore makes first.
+
+Keras names every variable by its path (`sequential/dense/kernel`, `adam/iterations`), as
+`model.get_state_tree()` does. State is saved and restored by those names, never by order:
+two same-shaped variables that change places (a refactored model, a new Keras that orders
+variables differently) can no longer load into each other, and a checkpoint that does not fit
+the model says which variables are missing, extra or reshaped.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+# Which variables define where training is, by group.
+GROUPS = ("model", "optimizer", "metrics", "seed")
+# A restore must match these exactly (unless the user asks for a partial one). Metric totals
+# are rebuilt by compile() and the global seed generator may not exist yet: they only refine
+# a resume, so entries that do not match are left as they are.
+STRICT = ("model", "optimizer")
+
+
+def variables(model) -> dict[str, keras.Variable]:
+    """`{"<group>/<path>": variable}` for every variable that defines where training is.
+
+    - model: weights, BatchNormalization statistics, and the states of the layers'
+      SeedGenerators (Dropout), which Keras keeps among the model's variables;
+    - optimizer: iteration count, learning-rate variable, slots (momenta);
+    - metrics: running totals of the epoch's metrics, so that a mid-epoch resume reports
+      the same epoch averages;
+    - seed: Keras's global SeedGenerator, when one exists.
+    """
+    from keras_accel.utils import keras_internals
+
+    groups = {
+        "model": list(model.variables),
+        "optimizer": list(model.optimizer.variables) if model.optimizer is not None else [],
+        "metrics": list(model.metrics_variables),
+        "seed": [],
+    }
+    generator = keras_internals.global_seed_generator()
+    if generator is not None:
+        groups["seed"] = [generator.state]
+    keyed: dict[str, keras.Variable] = {}
+    for group in GROUPS:
+        seen: dict[str, int] = {}
+        for variable in groups[group]:
+            key = f"{group}/{variable.path}"
+            # Keras paths are unique in practice; two variables sharing one keep their order.
+            seen[key] = seen.get(key, 0) + 1
+            keyed[key if seen[key] == 1 else f"{key}~{seen[key]}"] = variable
+    return keyed
+
+
+def manifest(state: dict[str, keras.Variable]) -> dict[str, dict]:
+    """`{key: {"shape": [...], "dtype": "float32"}}`: what a checkpoint holds."""
+    return {
+        key: {"shape": [int(d) for d in variable.shape], "dtype": str(variable.dtype)}
+        for key, variable in state.items()
+    }
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The checkpoint does not fit the model: variables missing, extra or reshaped."""
+
+
+def to_restore(
+    state: dict[str, keras.Variable], saved: dict[str, dict], source: str, partial: bool = False
+) -> dict[str, keras.Variable]:
+    """The variables to restore from a checkpoint whose manifest is `saved`.
+
+    Raises:
+        IncompatibleCheckpoint: a model or optimizer variable is missing from the checkpoint,
+            extra in it, or of another shape, naming them (unless `partial`: then those are
+            left as they are, with a warning naming them).
+    """
+    missing, extra, reshaped = [], [], []
+    chosen = {}
+    for key, variable in state.items():
+        group = key.split("/", 1)[0]
+        entry = saved.get(key)
+        shape = [int(d) for d in variable.shape]
+        if entry is None:
+            if group in STRICT:
+                missing.append(key)
+            continue
+        if list(entry["shape"]) != shape:
+            if group in STRICT:
+                reshaped.append((key, f"{tuple(entry['shape'])} saved, {tuple(shape)} here"))
+            continue
+        chosen[key] = variable
+    extra = [k for k in saved if k not in state and k.split("/", 1)[0] in STRICT]
+    problems = []
+    if missing:
+        problems.append(f"not in the checkpoint: {_names(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in this model: {_names(extra)}")
+    if reshaped:
+        problems.append(f"of another shape: {_names(reshaped)}")
+    if problems and not partial:
+        renumbered = _renumbered(missing, extra)
+        raise IncompatibleCheckpoint(
+            f"The checkpoint {source} does not fit this model; variables "
+            + "; ".join(problems)
+            + ". "
+            + (renumbered or "")
+            + "Restore it into the model (and optimizer) it was saved from, pass "
+            "BackupAndRestore(partial_restore=True) to restore only the variables that match, "
+            "or use another backup_dir."
+        )
+    if problems:
+        warnings.warn(
+            f"BackupAndRestore: partial restore from {source}: "
+            + "; ".join(problems)
+            + ". Those keep their current values.",
+            stacklevel=3,
+        )
+    return chosen
+
+
+_COUNTER = re.compile(r"_\d+(?=/|_|$)")
+
+
+def _renumbered(missing: list[str], extra: list[str]) -> str | None:
+    """A hint when the names differ only in Keras's automatic numbering of layers."""
+    if not missing or len(missing) != len(extra):
+        return None
+    strip = lambda key: _COUNTER.sub("", key)  # noqa: E731
+    if sorted(map(strip, missing)) != sorted(map(strip, extra)):
+        return None
+    return (
+        f"The names differ only in Keras's automatic numbering (saved {extra[0]!r}, here "
+        f"{missing[0]!r}): the model was built again in this Python session, where Keras "
+        "numbers new layers on. Build it in a fresh process (as a resumed run does), call "
+        "keras.backend.clear_session() before building it, or give its layers names. "
+    )
+
+
+def _names(items: list, limit: int = 10) -> str:
+    shown = ", ".join(
+        f"{item[0]!r} {item[1]}" if isinstance(item, tuple) else repr(item)
+        for item in items[:limit]
+    )
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def snapshot(state: dict[str, keras.Variable]) -> dict[str, Any]:
+    """Copies of the current values, to assign again later (a mid-epoch resume's replay).
+
+    JAX arrays are copied on their devices, in their layout (Keras's compiled train step
+    donates the buffers it is given, so a reference would not survive the next step);
+    TensorFlow variables to host memory (their read sums a sync-on-read metric across
+    replicas, as the assignment expects).
+    """
+    values = {}
+    for key, variable in state.items():
+        value = variable.value
+        if hasattr(value, "addressable_shards"):
+            values[key] = keras.ops.copy(value)
+        else:
+            values[key] = np.array(variable.numpy())
+    return values
+
+
+def assign(state: dict[str, keras.Variable], values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        state[key].assign(value)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's and NumPy's global generator states, as JSON-able data."""
+    version, internal, gauss_next = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": [int(k) for k in numpy_state["state"]["key"]],
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of `rng_state`."""
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["bit_generator"],
+            np.asarray(numpy_state["key"], dtype="uint32"),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["gauss"],
+        )
+    )
