@@ -1,15 +1,17 @@
-"""What the keras_accel callbacks of one `fit` tell each other, kept on the model.
+"""What the keras_accel callbacks of one `fit` tell each other, per model.
 
 Callbacks run in the order the user lists them, so none may rely on another having run
 first. The few facts they share (a mid-epoch resume in progress, the rate the scheduler
-applied) live in one small object attached to the model instead.
+applied) live in one small object per model, kept here, beside the model rather than on it:
+nothing is added to the user's model, and the record goes when the model does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
-_ATTRIBUTE = "_keras_accel_run"
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -40,9 +42,7 @@ class RunState:
 def run_state(model) -> RunState:
     """The model's shared state, created on first use. Never syncs JAX state: pass the raw
     model (`callback._model`), not `callback.model`."""
-    state = model.__dict__.get(_ATTRIBUTE)
+    state = _STATES.get(model)
     if state is None:
-        state = RunState()
-        # Through __dict__: Keras's tracking __setattr__ has nothing to track here.
-        model.__dict__[_ATTRIBUTE] = state
+        state = _STATES[model] = RunState()
     return state

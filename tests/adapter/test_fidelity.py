@@ -189,3 +189,21 @@ def test_accelerator_call_inside_a_callback_of_another():
     acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=[Evaluate()])
     assert len(seen) == 2 and all(np.isfinite(r["loss"]) for r in seen)
     assert "train_step" not in model.__dict__
+
+
+def test_our_callbacks_leave_nothing_on_the_model(tmp_path):
+    from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
+
+    acc = Accelerator()
+    with acc.scope():
+        model = compiled_mlp()
+    x, y = data(70)
+    acc.fit(model, x, y, batch_size=16, verbose=0)  # Keras's own attributes exist now.
+    before = set(model.__dict__)
+    callbacks = [
+        History(path=str(tmp_path / "history.json")),
+        BackupAndRestore(str(tmp_path / "backup"), save_freq=2),
+        LearningRateScheduler(lambda step: 0.01, update_freq="step"),
+    ]
+    acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+    assert set(model.__dict__) == before, set(model.__dict__) ^ before
