@@ -70,9 +70,7 @@ class Engine:
         arrays of one process into one data file of its OCDBT store, the largest file of
         the state directory."""
         state = os.path.join(self.path(step), STATE)
-        found = [
-            os.path.join(root, name) for root, _, names in os.walk(state) for name in names
-        ]
+        found = [os.path.join(root, name) for root, _, names in os.walk(state) for name in names]
         arrays = max(found, key=os.path.getsize) if found else state
         return arrays, os.path.join(self.path(step), META)
 
