@@ -31,8 +31,9 @@ class History(keras.callbacks.History):
     epoch), `.epoch` the list of epoch indices, `model.history` is this object, and `fit`
     returns it when it is in the callbacks. It adds:
 
-    - per-epoch `epoch_time` (wall seconds), `samples_per_second` (rows the loss saw,
-      padding rows included, over that time) and `learning_rate` (the rate of the epoch's
+    - per-epoch `epoch_time` (wall seconds), `samples_per_second` (rows the loss saw
+      over the training part of the epoch: under `Accelerator.fit` the real rows, padding
+      excluded) and `learning_rate` (the rate of the epoch's
       last step, read from the optimizer);
     - with `per_step=True`, every batch's logs in `.steps` (a list of dicts);
     - with `path`, a JSON file (and a CSV one with `csv=True`) rewritten atomically after

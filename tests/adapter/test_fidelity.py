@@ -207,3 +207,16 @@ def test_our_callbacks_leave_nothing_on_the_model(tmp_path):
     ]
     acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
     assert set(model.__dict__) == before, set(model.__dict__) ^ before
+
+
+def test_float16_fit_scales_the_loss_and_every_replica_decides_alike():
+    # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16; its overflow
+    # check sees the replicas' averaged gradients, so all skip (or apply) the same step.
+    acc = Accelerator(seed=0, mixed_precision="float16")
+    with acc.scope():
+        model = compiled_mlp(batchnorm=False)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    x, y = data(101)
+    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
+    assert all(np.isfinite(history.history["loss"]))
+    assert all(np.isfinite(w).all() for w in model.get_weights())

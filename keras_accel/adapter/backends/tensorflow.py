@@ -261,22 +261,24 @@ def install_global_batch_losses(patches: Patches) -> None:
     patches.set(losses, "scale_loss_for_distribution", identity)
     patches.set(losses, "unscale_loss_for_distribution", identity)
     optimizer_class = keras_internals.tf_optimizer_class()
-    original_apply = optimizer_class.apply
 
-    def apply(self, grads, trainable_variables=None):
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1 or _REDUCED.get():
-            return original_apply(self, grads, trainable_variables)
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
-        for i, g in zip(present, reduced):
-            grads[i] = g
-        token = _REDUCED.set(True)
-        try:
-            return original_apply(self, grads, trainable_variables)
-        finally:
-            _REDUCED.reset(token)
+    def averaging(original_apply):
+        def apply(self, grads, trainable_variables=None):
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1 or _REDUCED.get():
+                return original_apply(self, grads, trainable_variables)
+            grads = list(grads)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
+            for i, g in zip(present, reduced):
+                grads[i] = g
+            token = _REDUCED.set(True)
+            try:
+                return original_apply(self, grads, trainable_variables)
+            finally:
+                _REDUCED.reset(token)
+
+        return apply
 
     def all_reduce_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
@@ -293,7 +295,12 @@ def install_global_batch_losses(patches: Patches) -> None:
             grads_and_vars[i] = (g, grads_and_vars[i][1])
         return grads_and_vars
 
-    patches.set(optimizer_class, "apply", apply)
+    patches.set(optimizer_class, "apply", averaging(optimizer_class.apply))
+    # LossScaleOptimizer (float16) has an apply of its own, which checks the gradients for
+    # overflow before its inner optimizer's: it must see the averaged ones too, so that every
+    # replica takes the same decision (and no all-reduce runs inside its cond).
+    loss_scale = keras.optimizers.LossScaleOptimizer
+    patches.set(loss_scale, "apply", averaging(loss_scale.apply))
     patches.set(optimizer_class, "_all_reduce_sum_gradients", all_reduce_gradients)
 
 
