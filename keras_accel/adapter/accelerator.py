@@ -532,6 +532,36 @@ class Accelerator:
         keep = _real_rows(batches.plan)
         return keras.tree.map_structure(lambda a: a[keep], outputs)
 
+    # ------------------------------------------------------------------ custom loops
+    def loop(
+        self,
+        model: keras.Model,
+        optimizer: Any = None,
+        loss: Any = None,
+        metrics: list | None = None,
+        weighted_metrics: list | None = None,
+    ):
+        """A custom training loop for `model`, the same on every backend and strategy.
+
+        The user writes the loop over epochs and batches; keras_accel compiles the steps
+        (JAX: `jax.jit` over the mesh; TensorFlow: `tf.function` around `strategy.run`),
+        averages the loss over the global batch as `tf.nn.compute_average_loss` does, and
+        reads the metrics across replicas. See `keras_accel.loop` and docs/custom_loop.md.
+
+        Args:
+            model: a model built in `scope()`.
+            optimizer, loss, metrics: default to what the model was compiled with. `loss`
+                is a `keras.losses.Loss` (used unreduced) or a function of
+                `(y_true, y_pred)` returning one loss per example.
+            weighted_metrics: metrics that also see the sample weights.
+
+        Returns:
+            A `keras_accel.loop.CustomLoop`.
+        """
+        from keras_accel.loop import CustomLoop
+
+        return CustomLoop(self, model, optimizer, loss, metrics, weighted_metrics)
+
     def _default_batch_size(self, model, x, batch_size):
         """Evaluation and prediction default to the training batch size: the step programs
         are then compiled for one batch shape, instead of a second one for Keras's 32."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from keras_accel.data.batching import BatchPlan, pack, static_batch_size
@@ -36,10 +37,13 @@ def _pad_leaf(t, static: int):
     return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
 
 
-def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess):
-    """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it."""
+def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess, scaled: bool = True):
+    """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it.
+
+    `scaled=False` keeps the user's weights as they are (1 where none were given; 0 on
+    padding): for steps that divide by the real rows themselves (`keras_accel.loop`)."""
     static = plan.static_rows
-    scales = tf.constant(plan.weight_scales)
+    scales = tf.constant(plan.weight_scales if scaled else np.ones_like(plan.weight_scales))
 
     def fn(index, x, y, sample_weight):
         if preprocess is not None:
@@ -62,7 +66,10 @@ def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess):
 
 
 def array_pipeline(
-    batches: ArrayBatches, carry_mask: bool = True, preprocess: Preprocess = None
+    batches: ArrayBatches,
+    carry_mask: bool = True,
+    preprocess: Preprocess = None,
+    scaled: bool = True,
 ) -> tf.data.Dataset:
     """Static padded batches over in-memory arrays, computed entirely in the tf.data graph.
 
@@ -86,7 +93,7 @@ def array_pipeline(
     batches.epoch_listeners.append(lambda value: epoch.assign(value))
     seed = tf.constant(batches.seed % 2**63, tf.int64)
     real_rows = tf.constant(plan.real_rows)
-    pad = _padded(plan, carry_mask, preprocess)
+    pad = _padded(plan, carry_mask, preprocess, scaled)
 
     def load(index):
         positions = index * rows + tf.range(tf.gather(real_rows, index), dtype=tf.int64)
@@ -141,8 +148,8 @@ class StaticTFBatches:
             training=training,
         )
 
-    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
-        pad = _padded(self.plan, carry_mask, preprocess)
+    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None, scaled=True):
+        pad = _padded(self.plan, carry_mask, preprocess, scaled)
         # A known length lets Keras stop by count, not by an end-of-data error inside a
         # replicated step (which aborts MirroredStrategy's collectives).
         dataset = self.source.take(self.plan.num_batches).apply(

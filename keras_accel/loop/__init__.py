@@ -1,0 +1,394 @@
+"""One custom training loop for JAX and TensorFlow: the user writes the loop, keras_accel
+compiles the step.
+
+The first seed's custom loop is TensorFlow-only: `tf.data` batched per replica, a
+`@tf.function` step run by `strategy.run`, a loss averaged with
+`tf.nn.compute_average_loss(per_example_loss, global_batch_size=...)`, metrics built in the
+strategy's scope. In Keras 3 the same loop must be written again for JAX (`stateless_call`,
+`jax.value_and_grad`, `jax.jit` with shardings). `Accelerator.loop` gives one loop for both:
+
+>>> import keras, numpy as np
+>>> from keras_accel import Accelerator
+>>> acc = Accelerator(seed=0)
+>>> with acc.scope():
+...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+>>> loop = acc.loop(
+...     model,
+...     optimizer=keras.optimizers.SGD(0.1),
+...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+...     metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+... )
+>>> x, y = np.random.rand(50, 4).astype("float32"), np.random.randint(0, 3, 50)
+>>> for epoch in range(2):
+...     loop.reset_metrics()
+...     for batch in loop.batches(x, y, batch_size=16, shuffle=True, epoch=epoch):
+...         loop.train_step(batch)
+...     logs = loop.results()                   # plain Python floats
+>>> sorted(logs)
+['accuracy', 'loss']
+>>> loop.predict(x, batch_size=16).shape     # exactly one row per input row
+(50, 3)
+
+What the loop guarantees:
+
+- **The loss is the global batch's mean**, as `compute_average_loss` computes it: the sum of
+  the (weighted) per-example losses over the real rows of the whole global batch, divided by
+  their number. Results do not depend on the replica count, and padding rows (the
+  Accelerator's static batches) count nowhere. A Keras `Loss` object is used unreduced (its
+  `call`); a plain function must return per-example losses.
+- **Metrics over every replica's rows**: the loss tracker and the metrics given are updated
+  with the row mask (`weighted_metrics` with the sample weights too), and `results()` reads
+  them across replicas.
+- **Keras optimizers as they are**: gradient clipping (`clipnorm`, `global_clipnorm`: of the
+  global gradient, on both backends), gradient accumulation, and loss scaling under
+  `mixed_precision="float16"` (the optimizer is wrapped in Keras's `LossScaleOptimizer`).
+- **Static shapes**: `batches()` are the Accelerator's padded batches of one shape, so the
+  step compiles once; `evaluate` and `predict` are exact.
+- **No trace**: what the step needs on the model (BatchNormalization over real rows) is
+  installed for the duration of each call only.
+
+The compiled steps are one small module per backend (`keras_accel.loop.backends`), each a
+pure step function over an explicit state, which is what running N of them per host call
+(host-loop fusion) needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import keras
+import numpy as np
+
+__all__ = ["CustomLoop"]
+
+
+def per_example_losses(loss, y_true, y_pred):
+    """The loss of every row: `[batch]`, from a Keras `Loss` (used unreduced) or a function.
+
+    Raises:
+        ValueError: the loss is a scalar (already reduced over the batch: padding and
+            weights could not be accounted for), or its first axis is not the batch's.
+    """
+    from keras import ops
+
+    if isinstance(loss, keras.losses.Loss):
+        # As Loss.__call__ does before its reduction: in the loss's dtype (float32 under a
+        # mixed-precision policy, where predictions are float16 or bfloat16).
+        dtype = loss.dtype or keras.config.floatx()
+        y_pred = keras.tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
+        values = loss.call(y_true, y_pred)
+    else:
+        values = loss(y_true, y_pred)
+    # Losses are summed over the global batch in float32, whatever the compute dtype.
+    values = ops.cast(ops.convert_to_tensor(values), "float32")
+    rows = keras.tree.flatten(y_pred)[0].shape[0]
+    if len(values.shape) == 0:
+        raise ValueError(
+            "The loss must return one loss per example (shape (batch,)), which keras_accel "
+            "averages over the global batch, as tf.nn.compute_average_loss does. Received: "
+            f"a scalar from {_name(loss)}. Pass a keras.losses.Loss (it is used unreduced), "
+            "or a function that does not reduce over the batch."
+        )
+    if values.shape[0] is not None and rows is not None and values.shape[0] != rows:
+        raise ValueError(
+            f"The loss must return one loss per example: its first axis must be the "
+            f"batch's, {rows} rows. Received: shape {tuple(values.shape)} from {_name(loss)}."
+        )
+    if len(values.shape) > 1:  # Per-timestep or per-pixel losses: their mean per example.
+        values = ops.mean(values, axis=tuple(range(1, len(values.shape))))
+    return values
+
+
+def _name(loss) -> str:
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
+
+
+class LoopBatches:
+    """One epoch of the Accelerator's static batches, ready for a loop's steps."""
+
+    def __init__(self, loop: CustomLoop, batches, training: bool, epoch: int):
+        self.loop = loop
+        self.source = batches
+        self.training = training
+        if hasattr(batches, "epoch"):
+            batches.epoch = epoch
+        self.plan = batches.plan
+
+    def __len__(self) -> int:
+        return self.plan.num_batches
+
+    def __iter__(self):
+        return iter(self.loop._backend.distributed(self.source, self.training))
+
+
+class CustomLoop:
+    """A model, its optimizer, loss and metrics, and compiled train/test/predict steps.
+
+    Built by `Accelerator.loop`; see the module docstring for an example and the
+    guarantees. `optimizer`, `loss` and `metrics` default to what the model was compiled
+    with. Metrics are Keras `Metric` objects (or names, as in `compile`); the loss tracker
+    is named "loss".
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        model: keras.Model,
+        optimizer=None,
+        loss=None,
+        metrics: list | None = None,
+        weighted_metrics: list | None = None,
+    ):
+        accelerator.prepare(model)
+        self.accelerator = accelerator
+        self.model = model
+        with accelerator.scope():
+            self.optimizer = _optimizer(model, optimizer, accelerator)
+            _check_placed(accelerator, self.optimizer)
+            if not self.optimizer.built:
+                # Here, in the scope, not lazily inside a compiled (replicated) step.
+                self.optimizer.build(model.trainable_variables)
+            self.loss = _loss(model, loss)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.metrics = [_metric(m) for m in (metrics or [])]
+            self.weighted_metrics = [_metric(m) for m in (weighted_metrics or [])]
+        backend = keras.backend.backend()
+        if backend not in ("jax", "tensorflow"):
+            raise NotImplementedError(
+                f"Accelerator.loop compiles steps on JAX and TensorFlow. Received: "
+                f"KERAS_BACKEND={backend!r}."
+            )
+        module = importlib.import_module(f"keras_accel.loop.backends.{backend}")
+        self._backend = module.Steps(self)
+        self._structure = {}
+        self._batches_cache = None
+
+    # ------------------------------------------------------------------ data
+    def batches(
+        self,
+        x: Any,
+        y: Any = None,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        sample_weight: Any = None,
+        epoch: int = 0,
+        training: bool = True,
+    ) -> LoopBatches:
+        """The Accelerator's static-shape batches of one epoch, placed for the steps.
+
+        Args:
+            x, y, sample_weight: arrays (or a `PyDataset` / `tf.data.Dataset` yielding
+                `(x, y[, sample_weight])`), as for `Accelerator.fit`.
+            batch_size: the global batch (all replicas together), default 32 for arrays.
+            shuffle: a new row order every epoch, a function of (seed, epoch).
+            epoch: which epoch's order (so a resumed loop sees the same batches).
+            training: False pads every row in, for exact evaluation (and never drops).
+        """
+        acc = self.accelerator
+        remainder = acc.remainder or "pad"
+        batches = acc._batches(x, y, batch_size, shuffle, sample_weight, None, training, remainder)
+        if training and not batches.has_targets:
+            raise ValueError(
+                "train_step needs targets: pass y (or a data set that yields (x, y)). "
+                "Received: y=None."
+            )
+        return LoopBatches(self, batches, training, epoch)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch) -> None:
+        """One optimizer step on one of `batches()`' batches. Returns nothing, so that no step
+        waits for the device; read `results()` when numbers are wanted."""
+        self._check_structure("train", batch)
+        with self.accelerator.scope():
+            self._backend.train(batch)
+
+    def test_step(self, batch) -> None:
+        """Update the loss tracker and metrics on one batch, without training."""
+        self._check_structure("test", batch)
+        with self.accelerator.scope():
+            self._backend.test(batch)
+
+    def predict_step(self, batch):
+        """The model's outputs for one batch (padding rows included)."""
+        self._check_structure("predict", batch)
+        with self.accelerator.scope():
+            return self._backend.predict(batch)
+
+    def _check_structure(self, kind: str, batch) -> None:
+        structure = keras.tree.map_structure(lambda _: None, batch)
+        seen = self._structure.setdefault(kind, structure)
+        if seen != structure:
+            raise ValueError(
+                f"{kind}_step received a batch of another structure than the first one: "
+                f"{structure} instead of {seen}. Every batch of a loop must have one "
+                "structure (feed them from loop.batches())."
+            )
+
+    # ------------------------------------------------------------------ results
+    def all_metrics(self) -> list:
+        return [self.loss_tracker, *self.metrics, *self.weighted_metrics]
+
+    def results(self) -> dict[str, float]:
+        """The loss and every metric since the last `reset_metrics()`, as Python floats,
+        over every replica's rows."""
+        self._backend.sync()
+        out = {}
+        for metric in self.all_metrics():
+            value = metric.result()
+            if isinstance(value, dict):
+                out.update({k: float(np.asarray(v)) for k, v in value.items()})
+            else:
+                out[metric.name] = float(np.asarray(value))
+        return out
+
+    def reset_metrics(self) -> None:
+        self._backend.sync()
+        for metric in self.all_metrics():
+            metric.reset_state()
+        self._backend.metrics_reset()
+
+    # ------------------------------------------------------------------ whole passes
+    def evaluate(self, x: Any, y: Any = None, batch_size: int | None = None,
+                 sample_weight: Any = None) -> dict[str, float]:  # fmt: skip
+        """The loss and metrics over every row of `x`, exactly (padding counts nowhere)."""
+        self.reset_metrics()
+        for batch in self.batches(x, y, batch_size, sample_weight=sample_weight, training=False):
+            self.test_step(batch)
+        return self.results()
+
+    def predict(self, x: Any, batch_size: int | None = None):
+        """The model's outputs for every row of `x`, in order, as numpy arrays."""
+        batches = self.batches(x, None, batch_size, training=False)
+        outputs = [
+            keras.tree.map_structure(np.asarray, self._backend.to_host(self.predict_step(b)))
+            for b in batches
+        ]
+        from keras_accel.adapter.accelerator import _real_rows
+
+        keep = _real_rows(batches.plan)
+        return keras.tree.map_structure(
+            lambda *parts: np.concatenate(parts, axis=0)[keep], *outputs
+        )
+
+    # ------------------------------------------------------------------ callbacks
+    def callbacks(self, callbacks: list, epochs: int, steps: int | None = None):
+        """A `keras.callbacks.CallbackList` of `callbacks` for this loop's model, with
+        Keras's `params` (`epochs`, `steps`) set, as `fit` would set them.
+
+        Callbacks that read `model.optimizer` (LearningRateScheduler, BackupAndRestore) need
+        the model compiled with this loop's optimizer. After `on_train_begin()`,
+        `loop.initial_epoch` is the epoch a restored backup resumes at.
+        """
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        if getattr(self.model, "optimizer", None) not in (self.optimizer, inner):
+            raise ValueError(
+                "Callbacks read the optimizer from the model, but the model was not compiled "
+                "with this loop's optimizer. Compile it first, `model.compile(optimizer=opt)` "
+                "inside acc.scope(), and build the loop with it (acc.loop(model) takes the "
+                f"compiled optimizer). Received: model.optimizer={self.model.optimizer!r}."
+            )
+        return _ScopedCallbacks(
+            self.accelerator.scope,
+            callbacks,
+            add_history=False,
+            model=self.model,
+            epochs=epochs,
+            steps=steps,
+            verbose=0,
+        )
+
+    @property
+    def initial_epoch(self) -> int:
+        """Where training resumes: the epoch a `BackupAndRestore` restored, else 0."""
+        return int(getattr(self.model, "_initial_epoch", None) or 0)
+
+
+class _ScopedCallbacks(keras.callbacks.CallbackList):
+    """Keras's CallbackList, each hook run in the Accelerator's scope, as `fit` runs them
+    (a restore or a new learning-rate variable lands on the devices)."""
+
+    def __init__(self, scope, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._scope = scope
+
+
+def _scoped(name):
+    def hook(self, *args, **kwargs):
+        with self._scope():
+            return getattr(keras.callbacks.CallbackList, name)(self, *args, **kwargs)
+
+    hook.__name__ = name
+    return hook
+
+
+for _hook in (
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+    "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+    "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+    "on_predict_batch_begin", "on_predict_batch_end",
+):  # fmt: skip
+    setattr(_ScopedCallbacks, _hook, _scoped(_hook))
+
+
+def _check_placed(accelerator, optimizer) -> None:
+    runtime = accelerator._runtime
+    if runtime.native is None:
+        return
+    for variable in optimizer.variables:
+        detail = runtime.variable_misplaced(variable)
+        if detail is not None:
+            raise RuntimeError(
+                f"The optimizer was created outside `acc.scope()`: its variable "
+                f"{variable.path!r} {detail}, but this Accelerator spreads work over "
+                f"{accelerator.num_replicas} replicas. Create it inside `with acc.scope():`."
+            )
+
+
+def _optimizer(model, optimizer, accelerator):
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            "Accelerator.loop needs an optimizer: pass optimizer=..., or compile the model "
+            "with one. Received: optimizer=None and an uncompiled model."
+        )
+    optimizer = keras.optimizers.get(optimizer)
+    policy = keras.config.dtype_policy()
+    float16 = "mixed_float16" in (getattr(accelerator, "_policy", None), policy.name)
+    if float16 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # float16 gradients underflow without loss scaling; bfloat16 needs none.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def _loss(model, loss):
+    if loss is None:
+        loss = getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "Accelerator.loop needs a loss: pass loss=... (a keras.losses.Loss, or a function "
+            "of (y_true, y_pred) returning one loss per example). Received: loss=None."
+        )
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if not callable(loss):
+        raise TypeError(
+            f"`loss` must be a keras.losses.Loss or a function of (y_true, y_pred). "
+            f"Received: {loss!r} of type {type(loss).__name__}"
+        )
+    return loss
+
+
+def _metric(metric):
+    if isinstance(metric, keras.metrics.Metric):
+        return metric
+    if metric in ("accuracy", "acc"):
+        # compile() picks the accuracy from the labels' and predictions' shapes; a loop is
+        # told which one: integer labels, one-hot labels, or one probability per row.
+        raise ValueError(
+            f"Which accuracy depends on the labels: pass "
+            f"keras.metrics.SparseCategoricalAccuracy('accuracy') (integer labels), "
+            f"CategoricalAccuracy (one-hot) or BinaryAccuracy. Received: {metric!r}."
+        )
+    return keras.metrics.get(metric)

@@ -1,0 +1,216 @@
+"""JAX: `jax.jit` steps over an explicit state, the batch sharded over the device mesh."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+from keras import ops
+
+from keras_accel.adapter.batchnorm import install_batchnorm
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import ROW_MASK
+from keras_accel.data.batching import pack, unpack
+from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+
+
+class Steps:
+    def __init__(self, loop):
+        self.loop = loop
+        self.runtime = loop.accelerator._runtime
+        self.traces: collections.Counter = collections.Counter()
+        self._compiled: dict[str, object] = {}
+        device = self.runtime.plan.devices[0]
+        platform, index = device.split(":")
+        self._device = next(d for d in jax.devices(platform) if d.id == int(index))
+
+    # ------------------------------------------------------------------ data
+    def _sharding(self, shape):
+        distribution = self.runtime.native
+        if distribution is None:
+            return jax.sharding.SingleDeviceSharding(self._device)
+        return distribution.get_data_layout(shape).backend_layout
+
+    def _put(self, structure):
+        return jax.tree_util.tree_map(
+            lambda a: jax.device_put(np.asarray(a), self._sharding(np.shape(a))), structure
+        )
+
+    def distributed(self, batches, training: bool):
+        return self.distribute(batches, training)  # Batches are gathered on the host.
+
+    def distribute(self, batches, training: bool):
+        from keras_accel.adapter.accelerator import _preprocessor
+
+        preprocess = _preprocessor(self.loop.model)
+        scales = batches.plan.weight_scales
+        if preprocess is None and isinstance(batches, (ArrayBatches, PyDatasetBatches)):
+            elements = (batches.batch(i) for i in range(len(batches)))
+        else:
+            # A tf.data pipeline read as numpy: a user's data set, or keras-hub's
+            # preprocessing (raw strings in), which runs in tf.data as in keras-hub's fit.
+            from keras_accel.data import tfdata
+
+            if isinstance(batches, ArrayBatches):
+                dataset = tfdata.array_pipeline(batches, True, preprocess)
+            else:
+                dataset = batches.pipeline(True, preprocess)
+            elements = (unpack(e) for e in dataset.as_numpy_iterator())
+        for index, (x, y, weights, mask) in enumerate(elements):
+            if y is None:
+                yield (self._put(x),)
+                continue
+            # The loop divides by the global batch's real rows itself: the user's weights.
+            weights = np.asarray(weights, "float32") / np.float32(scales[index])
+            yield pack(self._put(x), self._put(y), self._put(weights), self._put(mask))
+
+    # ------------------------------------------------------------------ state
+    def _metric_variables(self):
+        return [v for m in self.loop.all_metrics() for v in m.variables]
+
+    def _state(self, kind: str):
+        model = self.loop.model
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        metrics = [v.value for v in self._metric_variables()]
+        if kind == "train":
+            optimizer = [v.value for v in self.loop.optimizer.variables]
+            return trainable, non_trainable, optimizer, metrics
+        if kind == "test":
+            return trainable, non_trainable, metrics
+        return trainable, non_trainable
+
+    def _assign(self, kind: str, state) -> None:
+        model = self.loop.model
+        groups = [model.trainable_variables, model.non_trainable_variables]
+        if kind == "train":
+            groups.append(self.loop.optimizer.variables)
+        groups.append(self._metric_variables())
+        for variables, values in zip(groups, state):
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, kind: str, batch):
+        loop = self.loop
+        if kind == "train" and not loop.optimizer.built:
+            loop.optimizer.build(loop.model.trainable_variables)
+        function = self._compiled.get(kind)
+        if function is None:
+            self._place_state(kind)
+            body = {"train": self._train_fn, "test": self._test_fn, "predict": self._predict_fn}
+            if kind == "predict":
+                function = jax.jit(body[kind])
+            else:
+                # The state comes back in the layout it went in (so the second step does not
+                # compile again), and replaces it: XLA may reuse its buffers.
+                layout = jax.tree_util.tree_map(lambda a: a.sharding, self._state(kind))
+                function = jax.jit(body[kind], donate_argnums=(0,), out_shardings=layout)
+            self._compiled[kind] = function
+        with Patches() as patches:  # BatchNormalization over real rows, while tracing.
+            install_batchnorm(patches, loop.model, None)
+            return function(self._state(kind), batch)
+
+    def _place_state(self, kind: str) -> None:
+        """Every state variable on this runtime's devices: metric and optimizer variables
+        that Keras made on one device are replicated over the mesh like the weights."""
+        distribution = self.runtime.native
+        if distribution is None:
+            return
+        replicated = jax.sharding.NamedSharding(
+            distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+        )
+        model = self.loop.model
+        groups = [model.trainable_variables, model.non_trainable_variables]
+        groups += [self.loop.optimizer.variables, self._metric_variables()]
+        for variables in groups:
+            for variable in variables:
+                if isinstance(variable.value.sharding, jax.sharding.SingleDeviceSharding):
+                    variable.assign(jax.device_put(variable.value, replicated))
+
+    def train(self, batch) -> None:
+        self._assign("train", self._run("train", batch))
+
+    def test(self, batch) -> None:
+        self._assign("test", self._run("test", batch))
+
+    def predict(self, batch):
+        return self._run("predict", batch)
+
+    def _forward(self, trainable, non_trainable, x, mask, training: bool):
+        token = ROW_MASK.set(mask)
+        try:
+            return self.loop.model.stateless_call(trainable, non_trainable, x, training=training)
+        finally:
+            ROW_MASK.reset(token)
+
+    def _train_fn(self, state, batch):
+        self.traces["train"] += 1
+        from keras_accel.loop import per_example_losses
+
+        loop = self.loop
+        trainable, non_trainable, optimizer_vars, metric_vars = state
+        x, y, weights, mask = unpack(batch)
+
+        def loss_of(trainable, non_trainable):
+            y_pred, non_trainable = self._forward(trainable, non_trainable, x, mask, True)
+            per = per_example_losses(loop.loss, y, y_pred)
+            # The global batch's mean over its real rows: compute_average_loss's rule.
+            value = ops.sum(per * weights) / ops.maximum(ops.sum(mask), 1.0)
+            return loop.optimizer.scale_loss(value), (y_pred, non_trainable, per)
+
+        (_, (y_pred, non_trainable, per)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            trainable, non_trainable
+        )
+        trainable, optimizer_vars = loop.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        metric_vars = self._update_metrics(metric_vars, y, y_pred, per, weights, mask)
+        return trainable, non_trainable, optimizer_vars, metric_vars
+
+    def _test_fn(self, state, batch):
+        self.traces["test"] += 1
+        from keras_accel.loop import per_example_losses
+
+        trainable, non_trainable, metric_vars = state
+        x, y, weights, mask = unpack(batch)
+        y_pred, _ = self._forward(trainable, non_trainable, x, mask, False)
+        per = per_example_losses(self.loop.loss, y, y_pred)
+        metric_vars = self._update_metrics(metric_vars, y, y_pred, per, weights, mask)
+        return trainable, non_trainable, metric_vars
+
+    def _predict_fn(self, state, batch):
+        self.traces["predict"] += 1
+        trainable, non_trainable = state
+        x = unpack(batch)[0]
+        y_pred, _ = self._forward(trainable, non_trainable, x, None, False)
+        return y_pred
+
+    def _update_metrics(self, metric_vars, y, y_pred, per, weights, mask):
+        loop = self.loop
+        updated, start = [], 0
+        for metric in loop.all_metrics():
+            count = len(metric.variables)
+            own = metric_vars[start : start + count]
+            start += count
+            if metric is loop.loss_tracker:
+                # Sum of weighted losses over real rows, and their count: the epoch's mean.
+                own = metric.stateless_update_state(own, per * weights, sample_weight=mask)
+            elif any(metric is m for m in loop.weighted_metrics):
+                own = metric.stateless_update_state(own, y, y_pred, sample_weight=weights * mask)
+            else:
+                own = metric.stateless_update_state(own, y, y_pred, sample_weight=mask)
+            updated.extend(own)
+        return updated
+
+    # ------------------------------------------------------------------ results
+    def sync(self) -> None:
+        return None  # Every step assigns its results to the variables.
+
+    def metrics_reset(self) -> None:
+        # reset_state() makes new arrays on the default device: lay them out again, or the
+        # next step would compile anew for the other layout.
+        if self._compiled:
+            self._place_state("test")
+
+    def to_host(self, outputs):
+        return jax.tree_util.tree_map(np.asarray, outputs)

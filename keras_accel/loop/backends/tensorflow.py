@@ -1,0 +1,191 @@
+"""TensorFlow: one `tf.function` per step around `strategy.run`, over a distributed tf.data."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from keras_accel.adapter.backends.tensorflow import _all_reduce_sum, install_global_batch_losses
+from keras_accel.adapter.batchnorm import install_batchnorm
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import ROW_MASK
+from keras_accel.data import tfdata
+from keras_accel.data.batching import unpack
+from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+
+
+class Steps:
+    def __init__(self, loop):
+        self.loop = loop
+        self.runtime = loop.accelerator._runtime
+        self.strategy = self.runtime.native
+        inner = getattr(loop.optimizer, "inner_optimizer", loop.optimizer)
+        if self.runtime.num_replicas > 1 and inner.gradient_accumulation_steps:
+            # Keras's TF optimizer accumulates inside a cond around a cross-replica update,
+            # which TensorFlow refuses in a replicated step; raw MirroredStrategy fails too.
+            raise NotImplementedError(
+                "Keras's gradient accumulation does not run under tf.distribute with more "
+                "than one replica (its optimizer merges replicas inside a cond, which "
+                "TensorFlow does not support). Received: gradient_accumulation_steps="
+                f"{inner.gradient_accumulation_steps} with {self.runtime.num_replicas} "
+                "replicas. Use KERAS_BACKEND=jax, one device, or a larger global batch."
+            )
+        self.traces: collections.Counter = collections.Counter()
+        self._compiled: dict[str, object] = {}
+        self._pipeline = None
+
+    # ------------------------------------------------------------------ data
+    def distributed(self, batches, training: bool):
+        """The distributed pipeline of `batches`, built once per batches object: its order
+        follows the epoch the batches are set to, read in the graph."""
+        cached = self._pipeline
+        if cached is None or cached[0] is not batches:
+            self._pipeline = cached = (batches, self.distribute(batches, training))
+        return cached[1]
+
+    def distribute(self, batches, training: bool):
+        from keras_accel.adapter.accelerator import _preprocessor
+
+        # keras-hub's preprocessing (raw strings in) runs in the pipeline, as in its fit.
+        preprocess = _preprocessor(self.loop.model)
+        if isinstance(batches, ArrayBatches):
+            dataset = tfdata.array_pipeline(batches, True, preprocess, scaled=False)
+        elif isinstance(batches, PyDatasetBatches):
+            if preprocess is not None:
+                raise ValueError(
+                    "A keras-hub task's preprocessing runs over arrays or a tf.data.Dataset "
+                    "of raw inputs. Received: a PyDataset. Pass the arrays, or a tf.data "
+                    "pipeline."
+                )
+            dataset = _from_py_dataset(batches)
+        else:
+            dataset = batches.pipeline(True, preprocess, scaled=False)
+        if self.strategy is None:
+            return dataset
+        # Each global batch is cut into one contiguous slice per replica.
+        return self.strategy.experimental_distribute_dataset(dataset)
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, kind: str, batch):
+        loop = self.loop
+        if kind == "train" and not loop.optimizer.built:
+            loop.optimizer.build(loop.model.trainable_variables)
+        function = self._compiled.get(kind)
+        if function is None:
+            body = {"train": self._train, "test": self._test, "predict": self._predict}[kind]
+            function = self._compiled[kind] = tf.function(self._distributed(body))
+        with Patches() as patches:
+            # While tracing: BatchNormalization over real rows, synchronized across replicas;
+            # the optimizer averages the replicas' gradients before clipping, as on JAX.
+            install_batchnorm(patches, loop.model, self.runtime.all_reduce_sum)
+            if self.runtime.num_replicas > 1:
+                install_global_batch_losses(patches)
+            return function(batch)
+
+    def _distributed(self, body):
+        strategy = self.strategy
+
+        def step(batch):
+            # Python here runs once per trace (and the body once per replica within it).
+            self.traces[body.__name__.lstrip("_")] += 1
+            if strategy is None:
+                return body(batch)
+            outputs = strategy.run(body, args=(batch,))
+            if outputs is None:
+                return None
+            # Prediction: every replica's slice, in replica order, is the global batch.
+            return tf.nest.map_structure(lambda t: strategy.gather(t, axis=0), outputs)
+
+        return step
+
+    def train(self, batch) -> None:
+        self._run("train", batch)
+
+    def test(self, batch) -> None:
+        self._run("test", batch)
+
+    def predict(self, batch):
+        return self._run("predict", batch)
+
+    def _train(self, batch):
+        from keras_accel.loop import per_example_losses
+
+        loop = self.loop
+        model = loop.model
+        x, y, weights, mask = unpack(batch)
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        real = _all_reduce_sum([tf.reduce_sum(mask)])[0]
+        with tf.GradientTape() as tape:
+            token = ROW_MASK.set(mask)
+            try:
+                y_pred = model(x, training=True)
+            finally:
+                ROW_MASK.reset(token)
+            per = per_example_losses(loop.loss, y, y_pred)
+            # This replica's share of the global batch's mean over real rows, times the
+            # replica count: the optimizer averages the replicas' gradients (see above), so
+            # their mean is the gradient of compute_average_loss's global mean.
+            value = replicas * tf.reduce_sum(per * weights) / tf.maximum(real, 1.0)
+            scaled = loop.optimizer.scale_loss(value)
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        loop.optimizer.apply(gradients, model.trainable_variables)
+        self._update_metrics(y, y_pred, per, weights, mask)
+
+    def _test(self, batch):
+        from keras_accel.loop import per_example_losses
+
+        x, y, weights, mask = unpack(batch)
+        token = ROW_MASK.set(mask)
+        try:
+            y_pred = self.loop.model(x, training=False)
+        finally:
+            ROW_MASK.reset(token)
+        per = per_example_losses(self.loop.loss, y, y_pred)
+        self._update_metrics(y, y_pred, per, weights, mask)
+
+    def _predict(self, batch):
+        return self.loop.model(unpack(batch)[0], training=False)
+
+    def _update_metrics(self, y, y_pred, per, weights, mask):
+        # Metric variables are summed across replicas when read: local updates suffice.
+        loop = self.loop
+        loop.loss_tracker.update_state(per * weights, sample_weight=mask)
+        for metric in loop.metrics:
+            metric.update_state(y, y_pred, sample_weight=mask)
+        for metric in loop.weighted_metrics:
+            metric.update_state(y, y_pred, sample_weight=weights * mask)
+
+    # ------------------------------------------------------------------ results
+    def sync(self) -> None:
+        return None
+
+    def metrics_reset(self) -> None:
+        return None
+
+    def to_host(self, outputs):
+        return tf.nest.map_structure(lambda t: np.asarray(t), outputs)
+
+
+def _from_py_dataset(batches: PyDatasetBatches) -> tf.data.Dataset:
+    from keras_accel.data.batching import pack
+
+    scales = batches.plan.weight_scales
+
+    def element(index):
+        x, y, weights, mask = batches.batch(index)
+        if y is None:
+            return (x,)
+        return pack(x, y, np.asarray(weights, "float32") / np.float32(scales[index]), mask)
+
+    first = element(0)
+    signature = tf.nest.map_structure(
+        lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)), first
+    )
+
+    def generate():
+        for index in range(len(batches)):
+            yield element(index)
+
+    return tf.data.Dataset.from_generator(generate, output_signature=signature)

@@ -1,0 +1,78 @@
+"""The examples run, small, as a user would run them, under the backend of the suite."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+needs_keras_hub = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("keras_hub") is None, reason="keras-hub missing"
+)
+
+
+def _run(script, *args, timeout=420):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def test_custom_training_loop_example(tmp_path):
+    out = _run(
+        "custom_training_loop.py",
+        "--virtual-devices=8",
+        "--samples=1000",
+        "--test-samples=200",
+        "--epochs=2",
+        "--batch-size=64",
+        "--width=0.125",
+    )
+    assert "over 8 replica(s)" in out and "predict:  200 rows of 10 probabilities" in out
+    # 1000 rows in batches of 64 (the last padded): one compilation per step kind.
+    assert "compilations {'train': 1, 'test': 1, 'predict': 1}" in out
+
+
+@needs_keras_hub
+@pytest.mark.parametrize("loop,devices", [("fit", "8"), ("custom", "8"), ("custom", "1")], ids=str)
+def test_bert_classifier_example_learns(loop, devices, tmp_path):
+    out = _run(
+        "bert_classifier.py",
+        f"--loop={loop}",
+        "--virtual-devices=8",
+        f"--devices={devices}",
+        "--samples=256",
+        "--epochs=2",
+        f"--output={tmp_path}",
+    )
+    replicas = "8 replica(s)" if devices == "8" else "1 replica(s)"
+    assert replicas in out, out
+    assert "learned" in out and "NOT LEARNED" not in out, out
+    if loop == "fit":
+        assert (tmp_path / "bert_classifier.weights.h5").exists()
+    else:  # The seed's CheckpointManager: the loop's backups, deleted once training ends.
+        assert not (tmp_path / "checkpoints").exists()
+
+
+def test_bert_classifier_reads_a_data_file_and_says_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("positive\tgreat movie\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "bert_classifier.py"), f"--data={bad}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "expected 'label<TAB>text' with an integer label" in result.stderr

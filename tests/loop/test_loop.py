@@ -1,0 +1,217 @@
+"""Accelerator.loop: one custom training loop for both backends, equal to Keras's fit."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
+from tests.helpers import assert_weights_close, compiled_mlp, data
+
+ROWS, BATCH, EPOCHS = 101, 16, 2  # 7 batches an epoch, the last with 5 real rows.
+
+
+def _optimizer(**kwargs):
+    # SGD, not Adam: Adam rescales the near-zero gradient of a bias before BatchNormalization
+    # into full steps, so summation-order noise there would swamp the comparison.
+    return keras.optimizers.SGD(0.1, momentum=0.9, **kwargs)
+
+
+def _models(acc, **optimizer_args):
+    """A model compiled in the scope, and a single-device twin with the same weights."""
+    keras.backend.clear_session(free_memory=False)
+    with acc.scope():
+        model = compiled_mlp()
+        model.compile(_optimizer(**optimizer_args), "sparse_categorical_crossentropy")
+    twin = compiled_mlp()
+    twin.compile(
+        _optimizer(**optimizer_args),
+        "sparse_categorical_crossentropy",
+        metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+    )
+    twin.set_weights(model.get_weights())
+    return model, twin
+
+
+def _train(loop, x, y, epochs=EPOCHS, **batches):
+    results = []
+    for epoch in range(epochs):
+        loop.reset_metrics()
+        for batch in loop.batches(x, y, batch_size=BATCH, epoch=epoch, **batches):
+            loop.train_step(batch)
+        results.append(loop.results())
+    return results
+
+
+def _close(got, want):
+    assert set(got) == set(want), (got, want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("devices", [1, 2, None], ids=["1", "2", "all"])
+def test_loop_equals_plain_single_device_fit(devices):
+    acc = Accelerator(devices=devices, seed=0)
+    model, twin = _models(acc)
+    x, y = data(ROWS)
+    loop = acc.loop(
+        model,
+        loss=keras.losses.SparseCategoricalCrossentropy(),
+        metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+    )
+    results = _train(loop, x, y)
+    history = twin.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    # Same weights at every replica count (BatchNormalization over real rows included):
+    # only the summation order differs, hence the float32 tolerance.
+    assert_weights_close(model.get_weights(), twin.get_weights(), atol=1e-5)
+    for epoch, row in enumerate(results):
+        _close(row, {k: v[epoch] for k, v in history.history.items()})
+    _close(loop.evaluate(x, y, batch_size=BATCH), twin.evaluate(x, y, verbose=0, return_dict=True))
+    predictions = loop.predict(x, batch_size=BATCH)
+    assert predictions.shape == (ROWS, 3)
+    np.testing.assert_allclose(predictions, twin.predict(x, verbose=0), atol=1e-5)
+    # One compilation per step kind, for every epoch and the padded last batch alike.
+    assert dict(loop._backend.traces) == {"train": 1, "test": 1, "predict": 1}
+
+
+def test_loop_equals_accelerator_fit():
+    acc = Accelerator(seed=0)
+    model, _ = _models(acc)
+    x, y = data(ROWS)
+    other = keras.models.clone_model(model)
+    with acc.scope():
+        other = compiled_mlp()
+        other.compile(_optimizer(), "sparse_categorical_crossentropy")
+    other.set_weights(model.get_weights())
+    _train(acc.loop(model), x, y, shuffle=True)
+    acc.fit(other, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0)
+    assert_weights_close(model.get_weights(), other.get_weights(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "optimizer_args",
+    [{"global_clipnorm": 0.05}, {"clipnorm": 0.01}, {"gradient_accumulation_steps": 2}],
+    ids=["global_clipnorm", "clipnorm", "accumulation"],
+)
+def test_clipping_and_accumulation_act_on_the_global_gradient(optimizer_args, backend):
+    acc = Accelerator(seed=0)
+    model, twin = _models(acc, **optimizer_args)
+    accumulating = "gradient_accumulation_steps" in optimizer_args
+    if accumulating and backend == "tensorflow" and acc.num_replicas > 1:
+        with pytest.raises(NotImplementedError, match="accumulation does not run under"):
+            acc.loop(model)
+        return
+    x, y = data(96)  # 6 full batches: accumulation pairs them.
+    _train(acc.loop(model), x, y)
+    twin.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights(), atol=1e-5)
+
+
+def test_sample_weights_and_weighted_metrics():
+    acc = Accelerator(seed=0)
+    model, twin = _models(acc)
+    twin.compile(
+        _optimizer(),
+        "sparse_categorical_crossentropy",
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("w_acc")],
+    )
+    x, y = data(ROWS)
+    sw = np.linspace(0.2, 2.0, ROWS).astype("float32")
+    loop = acc.loop(model, weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("w_acc")])
+    results = _train(loop, x, y, sample_weight=sw)
+    history = twin.fit(
+        x, y, sample_weight=sw, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+    )
+    assert_weights_close(model.get_weights(), twin.get_weights(), atol=1e-5)
+    _close(results[-1], {k: v[-1] for k, v in history.history.items()})
+
+
+def test_float16_training_scales_the_loss():
+    acc = Accelerator(seed=0, mixed_precision="float16")
+    with acc.scope():
+        model = compiled_mlp(batchnorm=False)
+        optimizer = _optimizer()
+    loop = acc.loop(model, optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy())
+    assert isinstance(loop.optimizer, keras.optimizers.LossScaleOptimizer)
+    results = _train(loop, *data(64))
+    assert all(np.isfinite(row["loss"]) for row in results)
+    # Dynamic loss scaling skips the steps whose scaled gradients overflow (the first ones,
+    # from the initial scale of 2**15) and halves the scale each time.
+    assert 0 < int(np.asarray(loop.optimizer.iterations)) <= EPOCHS * 4
+    assert float(np.asarray(loop.optimizer.dynamic_scale)) < 2.0**15
+
+
+def test_callbacks_from_the_loop_resume_exactly(tmp_path):
+    """LearningRateScheduler, History and BackupAndRestore driven by a loop, as in fit: an
+    interrupted loop resumed from its backup ends where an uninterrupted one ends."""
+    x, y = data(96)  # 6 batches an epoch
+    epochs = 3
+
+    def run(stop_at_epoch=None):
+        acc = Accelerator(seed=0)
+        model, _ = _models(acc)
+        loop = acc.loop(model)
+        history = History()
+        callbacks = loop.callbacks(
+            [
+                LearningRateScheduler(lambda step: 0.1 / (1 + step), update_freq="step"),
+                history,
+                BackupAndRestore(str(tmp_path / "backup")),
+            ],
+            epochs=epochs,
+            steps=6,
+        )
+        callbacks.on_train_begin()
+        for epoch in range(loop.initial_epoch, epochs):
+            if epoch == stop_at_epoch:
+                return None
+            callbacks.on_epoch_begin(epoch)
+            loop.reset_metrics()
+            for step, batch in enumerate(loop.batches(x, y, batch_size=BATCH, epoch=epoch)):
+                callbacks.on_train_batch_begin(step)
+                loop.train_step(batch)
+                callbacks.on_train_batch_end(step)
+            callbacks.on_epoch_end(epoch, loop.results())
+        callbacks.on_train_end()
+        return model.get_weights(), history
+
+    uninterrupted, full = run()
+    assert run(stop_at_epoch=2) is None  # Killed before epoch 3: epochs 1-2 backed up.
+    resumed, history = run()
+    assert_weights_close(resumed, uninterrupted, atol=1e-6)
+    assert history.epoch == [0, 1, 2]
+    np.testing.assert_allclose(history.history["learning_rate"], full.history["learning_rate"])
+
+
+def test_bad_inputs_are_clear_errors():
+    acc = Accelerator(seed=0)
+    model, _ = _models(acc)
+    x, y = data(32)
+
+    def scalar(y_true, y_pred):
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred))
+
+    loop = acc.loop(model, loss=scalar)
+    with pytest.raises(ValueError, match=r"one loss per example .* Received: a scalar from scalar"):
+        loop.train_step(next(iter(loop.batches(x, y, batch_size=BATCH))))
+
+    def per_class(y_true, y_pred):
+        return keras.ops.transpose(y_pred)  # (classes, batch): not one loss per row
+
+    loop = acc.loop(model, loss=per_class)
+    with pytest.raises(ValueError, match=r"first axis must be the batch's.*Received: shape"):
+        loop.train_step(next(iter(loop.batches(x, y, batch_size=BATCH))))
+    with pytest.raises(ValueError, match=r"same number of rows.*x: \[32\], y: \[31\]"):
+        acc.loop(model).batches(x, y[:31], batch_size=BATCH)
+    loop = acc.loop(model)
+    loop.train_step(next(iter(loop.batches(x, y, batch_size=BATCH))))
+    weighted = next(iter(loop.batches({"other": x}, y, batch_size=BATCH)))
+    with pytest.raises(ValueError, match="another structure than the first one"):
+        loop.train_step(weighted)
+    with pytest.raises(ValueError, match=r"SparseCategoricalAccuracy\('accuracy'\)"):
+        acc.loop(model, metrics=["accuracy"])
+    with pytest.raises(ValueError, match="needs targets"):
+        loop.batches(x, batch_size=BATCH)
+    if acc.num_replicas > 1:
+        with pytest.raises(RuntimeError, match=r"optimizer was created outside `acc.scope\(\)`"):
+            acc.loop(model, optimizer=keras.optimizers.SGD(0.1))
