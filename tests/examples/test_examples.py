@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -14,17 +15,28 @@ needs_keras_hub = pytest.mark.skipif(
 
 
 def _run(script, *args, timeout=420):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
+    # PYTHONFAULTHANDLER: if the example ever hangs, SIGABRT makes it print every thread's
+    # Python stack, so the failure says where it stopped, not only that it timed out.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1")
+    process = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / script), *args],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
-    return result.stdout
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"{script} did not finish in {timeout} s; its stacks when stopped:\n"
+            f"{stderr[-6000:]}\nits output:\n{stdout[-2000:]}"
+        )
+    assert process.returncode == 0, (stdout[-3000:], stderr[-3000:])
+    return stdout
 
 
 def test_custom_training_loop_example(tmp_path):

@@ -95,8 +95,12 @@ class Steps:
             outputs = strategy.run(body, args=(batch,))
             if outputs is None:
                 return None
-            # Prediction: every replica's slice, in replica order, is the global batch.
-            return tf.nest.map_structure(lambda t: strategy.gather(t, axis=0), outputs)
+            # Prediction: every replica's slice, in replica order, is the global batch. As
+            # in Keras's own predict, the slices are concatenated from the local results (a
+            # copy), not all-gathered: no collective runs, on any replica.
+            return tf.nest.map_structure(
+                lambda t: tf.concat(strategy.experimental_local_results(t), axis=0), outputs
+            )
 
         return step
 
