@@ -11,11 +11,12 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends
+from keras_accel.adapter import backends, fusion
 from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
+from keras_accel.callbacks._run import run_state
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
 from keras_accel.utils import keras_internals, process
@@ -60,6 +61,12 @@ class Accelerator:
             default, None, pads, except where the step cannot be told which rows are
             padding (a model that overrides `train_step` and gets no sample weights, or
             training without targets): then the last partial batch is dropped, with a note.
+        steps_per_execution: steps per host call in `fit`, `evaluate` and `predict`
+            ("host-loop fusion", Keras's knob of that name). "auto" (default) runs up to 32
+            steps per call where every callback can take it (see
+            `keras_accel.adapter.fusion`), with results equal to one step per call; an int
+            fixes it (1 turns fusion off). A model compiled with `steps_per_execution` > 1
+            keeps its own.
 
     Example:
         >>> import keras, numpy as np
@@ -83,8 +90,10 @@ class Accelerator:
         seed: int | None = None,
         layout_map: Any = None,
         remainder: str | None = None,
+        steps_per_execution: str | int = fusion.AUTO,
     ):
         check_strategy_name(strategy)
+        self.steps_per_execution = fusion.check(steps_per_execution)
         if mixed_precision not in MIXED_PRECISION:
             valid = [k for k in MIXED_PRECISION if k]
             raise ValueError(
@@ -410,6 +419,13 @@ class Accelerator:
             patch=patch,
         )
 
+    def _fuse(self, model, kind: str, steps, callbacks, verbose) -> int:
+        n, why = fusion.choose(self.steps_per_execution, model, kind, steps, callbacks)
+        fusion.note(model, n, why, 1 if verbose == "auto" else verbose)
+        if kind == "train":
+            run_state(model).steps_per_execution = n
+        return n
+
     def fit(
         self,
         model: keras.Model,
@@ -461,8 +477,13 @@ class Accelerator:
             self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
         )
         steps = steps_per_epoch or len(train)
-        bind = functools.partial(_bind_schedule, model, int(epochs) * steps, steps)
-        with self.scope(), self._session(model, contracts, train_data, contracts["train"], bind):
+        n = self._fuse(model, "train", steps, callbacks, verbose)
+
+        def patch(patches):
+            _bind_schedule(model, int(epochs) * steps, steps, patches)
+            fusion.install(patches, model, n, callbacks, epochs=int(epochs), steps=steps)
+
+        with self.scope(), self._session(model, contracts, train_data, contracts["train"], patch):
             return _keras(model, "fit")(
                 train_data,
                 epochs=epochs,
@@ -499,7 +520,9 @@ class Accelerator:
         _check_evaluation(batches, "x")
         contract = self._contract(batches)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
-        with self.scope(), self._session(model, {"test": contract}, data, contract):
+        n = self._fuse(model, "test", steps or len(batches), callbacks, verbose)
+        patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
+        with self.scope(), self._session(model, {"test": contract}, data, contract, patch):
             result = _keras(model, "evaluate")(
                 data, verbose=verbose, steps=steps, callbacks=callbacks, return_dict=return_dict
             )
@@ -523,8 +546,10 @@ class Accelerator:
         batches = self._batches(x, None, batch_size, False, None, None, False, None)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
+        n = self._fuse(model, "predict", steps or len(batches), callbacks, verbose)
+        patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
         # Prediction batches are `(x,)`, as Keras's own: nothing to build them from for us.
-        with self.scope(), self._session(model, contracts, data, None):
+        with self.scope(), self._session(model, contracts, data, None, patch):
             outputs = _keras(model, "predict")(
                 data, verbose=verbose, steps=steps, callbacks=callbacks
             )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import keras
+
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import (
@@ -47,6 +49,7 @@ class FunctionCache:
             getattr(model, "_compile_loss", None),
             getattr(model, "_compile_metrics", None),
             getattr(model, "steps_per_execution", 1),
+            _rate_key(getattr(model, "optimizer", None)),
             getattr(model, "jit_compile", None),
             getattr(model, "run_eagerly", False),
         )
@@ -57,6 +60,19 @@ class FunctionCache:
     def put(self, model, key: tuple, function) -> None:
         if function is not None:
             self._by_model.setdefault(model, {})[key] = function
+
+
+def _rate_key(optimizer):
+    """What the optimizer's learning rate is, as a compiled step reads it: the step closes
+    over a schedule object (ours may swap one in for a call), or reads a variable, which is
+    part of the optimizer's state (LearningRateScheduler may have added one)."""
+    rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
+    if rate is None or isinstance(rate, keras.Variable):
+        return id(rate)
+    try:  # Two schedules of one class and config compute the same rates.
+        return (type(rate), repr(rate.get_config()))
+    except Exception:  # A schedule without a config: only itself is known to be equal.
+        return (type(rate), id(rate))
 
 
 class Session:
@@ -105,17 +121,26 @@ class Session:
                 self._outer = outer
                 for kind, contract in self.contracts.items():
                     patches.set_item(outer.contracts, kind, contract)
+                if self.patch is not None:
+                    self.patch(patches)
             else:
                 _ACTIVE[id(model)] = self
                 self._install()
             for kind in STEP_KINDS:
                 contract = self._contract(kind)
                 self._keys[kind] = key = self.functions.key(model, kind, contract)
-                patches.set(model, f"{kind}_function", self.functions.get(model, key))
+                function = self.functions.get(model, key)
+                if function is None:
+                    function = self._make_function(kind)
+                patches.set(model, f"{kind}_function", function)
         except BaseException:
             self._leave()
             raise
         return self
+
+    def _make_function(self, kind: str):
+        make = getattr(self.runtime, "make_function", None)
+        return None if make is None else make(self.model, kind)
 
     def _contract(self, kind: str) -> StepContract:
         contracts = self._outer.contracts if self._outer is not None else self.contracts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -241,7 +242,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._current_epoch = epoch
         self._last_batch_seen = 0
 
+    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.fusion`): with `save_freq=N` every group
+        of fused steps must end where a backup falls, so groups divide N and the epoch."""
+        if kind != "train" or not isinstance(self.save_freq, int) or self.save_freq is False:
+            return None
+        return math.gcd(self.save_freq, steps) if steps else self.save_freq
+
     def on_train_batch_end(self, batch, logs=None):
+        steps = (self.params or {}).get("steps")
+        if steps:  # Keras numbers a fused last group past the epoch's end.
+            batch = min(batch, steps - 1)
         state = run_state(self._model)
         if self._replay is not None and state.replaying(self._current_epoch, batch + 1):
             return  # Still before the restored position.

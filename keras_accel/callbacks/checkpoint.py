@@ -87,6 +87,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.max_to_keep = max_to_keep
         self._kept: list[str] | None = None
 
+    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion: Keras counts `save_freq=N` in batch hooks, one per call."""
+        return None if kind != "train" or self.save_freq == "epoch" else 1
+
     def on_train_batch_end(self, batch, logs=None):
         if run_state(self._model).replaying(getattr(self, "_current_epoch", None), batch):
             return

@@ -89,11 +89,18 @@ class History(keras.callbacks.History):
         self.steps: list[dict[str, Any]] = []
         self.history: dict[str, list] = {}
         self.epoch: list[int] = []
+        # Steps per host call of the last fit (host-loop fusion; None before any fit).
+        self.steps_per_execution: int | None = None
         self._first_epoch_seen = False
         self._epoch_start = None
         self._epoch = None
         self._train_time = None
         self._samples = None
+
+    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.fusion`): per-step records need a host
+        call per training step; epoch records take any fusion."""
+        return 1 if self.per_step and kind == "train" else None
 
     # ------------------------------------------------------------------ record
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +108,7 @@ class History(keras.callbacks.History):
         return {
             "format": FORMAT,
             "version": VERSION,
+            "steps_per_execution": self.steps_per_execution,
             "epochs": [dict(row) for row in self.rows],
             "steps": [dict(row) for row in self.steps],
         }
@@ -114,6 +122,7 @@ class History(keras.callbacks.History):
             )
         self.rows = [dict(row) for row in record.get("epochs", [])]
         self.steps = [dict(row) for row in record.get("steps", [])]
+        self.steps_per_execution = record.get("steps_per_execution")
         self._rebuild()
 
     @classmethod
@@ -159,6 +168,7 @@ class History(keras.callbacks.History):
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
         self._first_epoch_seen = False
+        self.steps_per_execution = int(getattr(self._model, "steps_per_execution", 1) or 1)
         # A new process continuing a run: pick up what the last one wrote (unless
         # BackupAndRestore already restored the record from its checkpoint).
         if self.path and not self.rows and not self.steps and files.exists(self.path):

@@ -93,13 +93,43 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self._last_batch = None
         self._restores_seen = None
         self._applied = None
+        # Under host-loop fusion (set for one Accelerator call): the bound schedule, which
+        # the optimizer then evaluates inside every step.
+        self._in_step = None
+        self._group = None
+
+    # ------------------------------------------------------------------ fusion
+    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """What host-loop fusion this callback takes (`keras_accel.adapter.fusion`): any,
+        except a per-step schedule that is a plain function, which runs on the host."""
+        if kind != "train" or self.update_freq != "step" or self._schedule_in_step():
+            return None
+        return 1
+
+    def _schedule_in_step(self) -> bool:
+        # A LearningRateSchedule is a function of the step count in backend ops: it can
+        # run inside the compiled step. Any other callable may hold host-only Python.
+        return isinstance(self.schedule, keras.optimizers.schedules.LearningRateSchedule)
+
+    def _fuse(self, patches, model, n: int, epochs: int | None = None, steps=None) -> None:
+        """For one fused Accelerator call: the optimizer evaluates the schedule itself, at
+        its own step count, inside every compiled step, so the rate changes at every step of
+        a group; the hooks only report it. Undone with `patches`."""
+        if n == 1 or self.update_freq != "step" or not self._schedule_in_step():
+            return
+        bound = self._bind({"epochs": epochs, "steps": steps})
+        # The rate variable a step-by-step run would leave, set to the last rate at the
+        # end (`on_train_end`), so the optimizer ends as it would without fusion.
+        self._variable, _ = rate_variable(model)
+        patches.set(_inner(model.optimizer), "_learning_rate", bound)
+        patches.set(self, "_in_step", bound)
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
         super().set_model(model)
         # fit calls this before it builds its train function, which then includes the
         # rate variable; a function built earlier around a schedule is dropped.
-        if getattr(model, "optimizer", None) is not None:
+        if getattr(model, "optimizer", None) is not None and self._in_step is None:
             _, created = rate_variable(model)
             if created:
                 model.train_function = None
@@ -111,11 +141,14 @@ class LearningRateScheduler(keras.callbacks.Callback):
                 "LearningRateScheduler needs a compiled model with an optimizer. "
                 "Call model.compile(optimizer=...) before fit."
             )
+        self._step = None
+        if self._in_step is not None:
+            self._bound = self._in_step
+            return
         _, created = rate_variable(model)
         if created:  # Driven without set_model: rebuild the step around the variable.
             model.make_train_function(force=True)
         self._bound = self._bind()
-        self._step = None
         if self.update_freq == "step" and (getattr(model, "steps_per_execution", 1) or 1) > 1:
             warnings.warn(
                 f"LearningRateScheduler(update_freq='step') runs between executions: with "
@@ -136,26 +169,45 @@ class LearningRateScheduler(keras.callbacks.Callback):
             return
         # `self.model` also pulls the JAX training state back onto the variables, so that
         # the assignment below reaches the next compiled step.
+        if self._in_step is not None:
+            # The optimizer applies the rates itself: only count, syncing JAX state (via
+            # `self.model`) once per epoch, when the optimizer's count is read.
+            model = self.model if self._step is None else self._model
+            self._group = (batch, self._current_step(model, batch))
+            return
         model = self.model
-        step = self._current_step(model, batch)
-        self._set(model, step, "step")
+        self._set(model, self._current_step(model, batch), "step")
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.update_freq == "step" and logs is not None and self._applied is not None:
+        if self.update_freq != "step":
+            return
+        if self._in_step is not None and self._group is not None:
+            # A fused group ran steps first..last: report the rate of its last step.
+            first_batch, first_step = self._group
+            steps = (self.params or {}).get("steps")
+            last = min(batch, steps - 1) if steps else batch
+            self._report(first_step + last - first_batch, "step", self._in_step)
+        if logs is not None and self._applied is not None:
             logs["learning_rate"] = self._applied
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and self._applied is not None:
             logs["learning_rate"] = self._applied
 
+    def on_train_end(self, logs=None):
+        if self._in_step is not None and self._applied is not None:
+            self.model  # noqa: B018 -- pulls the JAX training state onto the variables first.
+            self._variable.assign(self._applied)
+
     # ------------------------------------------------------------------ helpers
-    def _bind(self):
+    def _bind(self, params=None):
         """The schedule, bound to the length of this fit if it needs one."""
         schedule = self.schedule
         if not getattr(schedule, "needs_total_steps", False):
             return schedule
-        epochs = (self.params or {}).get("epochs")
-        steps = (self.params or {}).get("steps")
+        params = self.params if params is None else params
+        epochs = (params or {}).get("epochs")
+        steps = (params or {}).get("steps")
         if self.update_freq == "epoch":
             if not epochs:
                 raise ValueError(
@@ -198,6 +250,15 @@ class LearningRateScheduler(keras.callbacks.Callback):
             value = schedule(index)
         rate = _check(value, index, unit, schedule)
         variable.assign(rate)
+        self._announce(rate, value, index, unit)
+
+    def _report(self, index: int, unit: str, schedule) -> None:
+        """The rate `schedule` gives at `index`, checked and reported, not assigned."""
+        value = schedule(index)
+        self._announce(_check(value, index, unit, schedule), value, index, unit)
+
+    def _announce(self, rate: float, value, index: int, unit: str) -> None:
+        model = self._model
         # Keras's message, every epoch; in step mode only when the rate changes (one line
         # per step would drown the progress bar). Keras numbers epochs from 1, steps from 0.
         if self.verbose > 0 and (unit == "epoch" or rate != self._applied):

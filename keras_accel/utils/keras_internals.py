@@ -56,6 +56,7 @@ REQUIRED_TENSORFLOW: list[tuple[str, str, str]] = [
         "_maybe_symbolic_build",
         "building a model from a batch of strings",
     ),
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "fused steps on TF"),
 ]
 
 
@@ -177,6 +178,13 @@ def tf_optimizer_class():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer
+
+
+def reduce_per_replica():
+    """Keras's reduction of a step's per-replica logs (what its TF step functions apply)."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    return reduce_per_replica
 
 
 def set_global_seed(seed: int) -> None:

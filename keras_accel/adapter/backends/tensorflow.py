@@ -109,6 +109,46 @@ def _all_reduce_sum(tensors):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
 
+def fused_function(model, kind: str, n: int):
+    """Up to `n` train (or test) steps in one `tf.function`, as Keras's TF function for
+    `steps_per_execution` = n, in a form that also runs under a tf.distribute strategy.
+
+    Keras's own puts each step in a `tf.cond` (inside its while-loop) around a nested
+    `tf.function`; under MirroredStrategy the replicas' merge_call then fails ("You must feed
+    a value for placeholder tensor 'while/cond/Placeholder'", keras-team/keras#19246, also
+    with plain Keras). Here the steps are the body of a `tf.while_loop` and only fetching
+    the next batch is conditional, as tf.keras did. The loop stops after n steps or when the
+    data ends (a last group of fewer steps, same program): the logs are the last step's.
+    """
+    step = getattr(model, f"{kind}_step")
+    strategy = model.distribute_strategy
+    reduce = keras_internals.reduce_per_replica()
+
+    def one(data):
+        outputs = strategy.run(step, args=(data,))
+        return reduce(outputs, strategy, reduction="auto")
+
+    if model.jit_compile:  # As Keras compiles one step: with XLA where the model asks.
+        one = tf.function(one, jit_compile=True, reduce_retracing=True)
+
+    @tf.function
+    def steps(iterator):
+        outputs = one(next(iterator))
+
+        def more(i, optional, outputs):
+            return tf.logical_and(i < n, optional.has_value())
+
+        def body(i, optional, outputs):
+            outputs = one(optional.get_value())
+            optional = tf.cond(i + 1 < n, iterator.get_next_as_optional, lambda: optional)
+            return i + 1, optional, outputs
+
+        first = (tf.constant(1), iterator.get_next_as_optional(), outputs)
+        return tf.while_loop(more, body, first)[2]
+
+    return steps
+
+
 class _MirroredStrategy(tf.distribute.MirroredStrategy):
     """A MirroredStrategy whose collective keys cannot clash with another strategy's.
 
@@ -181,6 +221,14 @@ class Runtime:
         if strategy is self.native:
             return None
         return "is a plain variable" if strategy is None else "belongs to another strategy"
+
+    def make_function(self, model, kind: str):
+        """Keras's step function for `kind`, or ours where Keras's cannot run: N > 1 fused
+        train or test steps (see `fused_function`). None: Keras makes its own."""
+        n = int(getattr(model, "steps_per_execution", 1) or 1)
+        if n == 1 or kind == "predict" or model.run_eagerly:
+            return None
+        return fused_function(model, kind, n)
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.native is not None and first_batch is not None:

@@ -1,0 +1,154 @@
+"""Host-loop fusion: how many steps one host call runs (Keras's `steps_per_execution`).
+
+Each call from Keras's fit loop into the compiled step costs the same whatever the step
+computes: Python in Keras's loop, every callback's batch hooks, and turning the logs into
+numbers, which waits for the device. Running N steps per call divides that cost by N and
+changes nothing else: the same compiled step runs N times (TensorFlow: in one `tf.function`
+while-loop over the iterator; JAX: N dispatches of the same jitted step, with no host sync
+between them), so weights, metrics and epoch logs are those of N=1. What changes is what
+batch hooks see: they fire once per N steps. So "auto" fuses only when every callback can
+take that:
+
+- a callback that overrides a batch hook of this kind is taken to need every batch, and
+  turns fusion off, with a one-line note naming it; Keras's progress bar, and Keras's
+  checkpoint callbacks with `save_freq="epoch"` (whose batch hooks do nothing then), can;
+- keras_accel's callbacks say what they can take (`_fusion_period`): a per-step
+  `LearningRateScheduler` moves its schedule into the step (the rate changes at every step
+  inside a group), `BackupAndRestore(save_freq=N)` needs groups that end where it saves, a
+  `History(per_step=True)` needs every step.
+
+The rule for "auto": N = the largest divisor of every callback's period that is at most
+`AUTO_LIMIT` and at most the steps of one epoch. Per-call overhead then falls to at most
+1/32 of what it was, where it stops mattering next to the step itself, while the progress
+bar and a KeyboardInterrupt still act within 32 steps. A last group of fewer than N steps
+runs the same compiled step (no new compilation). An explicit value wins: `compile(...,
+steps_per_execution=N)` with N > 1, or `Accelerator(steps_per_execution=N)`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import keras
+
+from keras_accel.callbacks._print import print_msg
+
+AUTO = "auto"
+AUTO_LIMIT = 32
+
+_HOOKS = {
+    "train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end"),
+    "test": ("on_test_batch_begin", "on_test_batch_end"),
+    "predict": ("on_predict_batch_begin", "on_predict_batch_end"),
+}
+# Models already told about their fusion, per message: each note is printed once.
+_NOTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(model) -> the model's own steps_per_execution, while a call has set ours on it (a call
+# made inside another's callback must see the user's value, not the outer call's).
+_USERS: dict[int, int] = {}
+
+
+def check(value):
+    """`steps_per_execution` as the Accelerator takes it: "auto" or a positive int."""
+    if value == AUTO:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            "`steps_per_execution` must be 'auto' or a positive integer (1 turns fusion "
+            f"off). Received: steps_per_execution={value!r}"
+        )
+    return value
+
+
+def batch_hooks(callback, kind: str) -> list[str]:
+    """The batch hooks of `kind` that `callback` defines (as a method or an attribute)."""
+    found = []
+    for name in _HOOKS[kind]:
+        method = getattr(callback, name, None)
+        if getattr(method, "__func__", method) is not getattr(keras.callbacks.Callback, name):
+            found.append(name)
+    return found
+
+
+def _keras_takes_fusion(callback) -> bool:
+    # Keras's own, whose batch hooks only display, or do nothing at save_freq="epoch".
+    if isinstance(callback, keras.callbacks.ProgbarLogger):
+        return True
+    checkpoints = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+    return isinstance(callback, checkpoints) and getattr(callback, "save_freq", None) == "epoch"
+
+
+def choose(requested, model, kind: str, steps: int | None, callbacks) -> tuple[int, str]:
+    """`(N, why)`: the steps per host call for one fit/evaluate/predict of `model`.
+
+    Args:
+        requested: the Accelerator's `steps_per_execution` ("auto" or an int).
+        kind: "train", "test" or "predict".
+        steps: steps in one epoch (or in the evaluation), if known.
+        callbacks: the user's callbacks for this call.
+    """
+    compiled = _USERS.get(id(model), getattr(model, "steps_per_execution", 1))
+    compiled = int(compiled or 1)
+    if compiled > 1:
+        return compiled, f"compile(steps_per_execution={compiled})"
+    if requested != AUTO:
+        return requested, f"Accelerator(steps_per_execution={requested})"
+    if kind == "predict":
+        # Every batch's outputs come back to the host anyway; Keras's fused predict also
+        # concatenates them in a program whose shape changes with the last group.
+        return 1, "auto: prediction runs one batch per host call"
+    limit = max(1, min(AUTO_LIMIT, steps or AUTO_LIMIT))
+    period = 0  # gcd(0, p) = p: no constraint yet.
+    bounded_by = []
+    for callback in callbacks or []:
+        own = getattr(callback, "_fusion_period", None)
+        if own is not None:
+            p = own(kind, steps)
+        elif not batch_hooks(callback, kind) or _keras_takes_fusion(callback):
+            p = None
+        else:
+            p = 1
+        if p is not None:
+            period = math.gcd(period, int(p))
+            bounded_by.append((type(callback).__name__, p, batch_hooks(callback, kind)))
+    if period:
+        limit = max(n for n in range(1, min(limit, period) + 1) if period % n == 0)
+    why = f"auto: {limit} step(s) per host call"
+    if bounded_by and limit < AUTO_LIMIT:
+        why += ", bounded by " + ", ".join(_limit(*bound) for bound in bounded_by)
+    return limit, why
+
+
+def _limit(name: str, period: int, hooks: list[str]) -> str:
+    if period == 1:
+        return f"{name}, which needs every batch ({'/'.join(hooks) or 'its records'})"
+    return f"{name}, which needs groups dividing {period} steps"
+
+
+def note(model, n: int, why: str, verbose) -> None:
+    """Say once per model and choice what fusion does (only where fit prints anything)."""
+    if not verbose or n == 1 and "bounded" not in why:
+        return
+    seen = _NOTED.setdefault(model, set())
+    if why in seen:
+        return
+    seen.add(why)
+    if n > 1:
+        print_msg(
+            f"keras_accel: steps_per_execution={n} ({why}); batch callbacks fire every {n} "
+            "steps. Accelerator(steps_per_execution=1) turns fusion off."
+        )
+    else:
+        print_msg(f"keras_accel: no host-loop fusion ({why}).")
+
+
+def install(patches, model, n: int, callbacks, epochs=None, steps=None) -> None:
+    """For this call: N steps per host call, and the callbacks told (`_fuse`)."""
+    if id(model) not in _USERS:
+        patches.set_item(_USERS, id(model), getattr(model, "steps_per_execution", 1))
+    patches.set(model, "steps_per_execution", n)
+    for callback in callbacks or []:
+        fuse = getattr(callback, "_fuse", None)
+        if fuse is not None:
+            fuse(patches, model, n, epochs=epochs, steps=steps)

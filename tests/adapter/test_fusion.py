@@ -1,0 +1,184 @@
+"""Host-loop fusion (`steps_per_execution`): faster host loops, the same training, exact
+callbacks. On two replicas: what fusion changes is the host loop, not the step, and a
+replicated step is what Keras's own fused TF loop breaks on (keras-team/keras#19246); eight
+replicas' TF graphs would cost minutes of compilation on this suite's 2 cores."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from keras_accel.adapter import fusion
+from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
+from keras_accel.schedules import PiecewiseConstant
+
+BATCH = 16
+ROWS = 600  # 38 steps per epoch: auto fuses 32, then a last group of 6 (and a padded batch).
+DEVICES = min(2, int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8")))
+# JAX runs the very same jitted step N times: equal to float32 precision. TensorFlow runs N
+# steps as the body of one graph's while-loop, which Grappler optimizes differently from the
+# one-step graph: last-bit rounding differs per step, and momentum carries it (measured
+# <= 4e-5 after 80 steps). A learning rate applied a group late would move the weights by
+# ~1e-2 here, far outside either tolerance.
+TOLERANCE = 1e-6 if keras.backend.backend() == "jax" else 1e-4
+
+
+def _data(rows=ROWS, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(rows, 1))).astype("float32")
+    return x, y
+
+
+def _model(acc, **compile_args):
+    keras.utils.set_random_seed(0)
+    with acc.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"], **compile_args
+        )
+    return model
+
+
+def _schedule():
+    return PiecewiseConstant([0.05, 0.01, 0.002], boundaries=[0.3, 0.6], unit="fraction")
+
+
+def _fit(fuse, callbacks, epochs=3, rows=ROWS, validation=True, **compile_args):
+    acc = Accelerator(seed=0, devices=DEVICES, steps_per_execution=fuse)
+    model = _model(acc, **compile_args)
+    x, y = _data(rows)
+    vx, vy = _data(100, seed=1)
+    history = acc.fit(
+        model,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        verbose=0,
+        callbacks=callbacks,
+        validation_data=(vx, vy) if validation else None,
+    )
+    return acc, model, history
+
+
+def test_a_per_step_schedule_gives_the_same_training_fused_and_unfused():
+    plain = [LearningRateScheduler(_schedule(), update_freq="step"), History()]
+    fused = [LearningRateScheduler(_schedule(), update_freq="step"), History()]
+    acc1, model1, history1 = _fit(1, plain, epochs=2)
+    acc32, model32, history32 = _fit("auto", fused, epochs=2)
+
+    assert plain[1].steps_per_execution == 1 and fused[1].steps_per_execution == 32
+    assert fused[1].to_dict()["steps_per_execution"] == 32
+    # The rate moved at every step inside the fused groups: the boundaries (steps 23 and
+    # 46 of 76) fall inside groups, and the weights equal those of one step per call.
+    for a, b in zip(model1.get_weights(), model32.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+    for key in ("loss", "mae", "val_loss", "val_mae", "learning_rate"):
+        np.testing.assert_allclose(history1.history[key], history32.history[key], rtol=TOLERANCE)
+    assert history32.history["learning_rate"] == pytest.approx([0.01, 0.002])
+    # No compilation after warm-up, the last group of 6 steps included.
+    assert acc1.num_recompiles == 0 and acc32.num_recompiles == 0
+    # Nothing left behind: Keras's default, and the rate variable a step-by-step run leaves.
+    assert model32.steps_per_execution == 1
+    assert isinstance(model32.optimizer._learning_rate, keras.Variable)
+    rate = keras.ops.convert_to_numpy(model32.optimizer._learning_rate.value)
+    assert float(np.reshape(rate, -1)[0]) == pytest.approx(0.002)
+
+
+def test_a_callback_with_batch_hooks_sees_every_batch_and_fusion_says_why_it_is_off(capsys):
+    seen = []
+    hooks = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    history = History()
+    acc = Accelerator(seed=0, devices=DEVICES)
+    model = _model(acc)
+    x, y = _data()
+    acc.fit(model, x, y, batch_size=BATCH, epochs=2, verbose=2, callbacks=[hooks, history])
+    assert seen == list(range(38)) * 2
+    assert history.steps_per_execution == 1
+    out = capsys.readouterr().out
+    assert "no host-loop fusion" in out and "LambdaCallback" in out, out
+    assert "on_train_batch_end" in out
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [
+        lambda: LearningRateScheduler(lambda step: 0.05 if step < 40 else 0.01, update_freq="step"),
+        lambda: History(per_step=True),
+    ],
+    ids=["python-schedule", "per-step-history"],
+)
+def test_callbacks_that_need_every_step_bound_fusion_to_one(callback):
+    acc = Accelerator(seed=0, devices=DEVICES)
+    model = _model(acc)
+    n, why = fusion.choose(acc.steps_per_execution, model, "train", 38, [callback()])
+    assert n == 1 and "needs every batch" in why, why
+
+
+class _Recording(BackupAndRestore):
+    def save(self, epoch, batch, logs=None, finished_epoch=None):
+        self.saved = getattr(self, "saved", []) + [(epoch, batch)]
+        return super().save(epoch, batch, logs=logs, finished_epoch=finished_epoch)
+
+
+def test_backups_fall_on_the_same_steps_fused_and_unfused(tmp_path):
+    # 40 steps per epoch and a backup every 8 steps: auto fuses 8 steps per call.
+    rows = 40 * BATCH
+    plain = _Recording(str(tmp_path / "plain"), save_freq=8, delete_checkpoint=False)
+    fused = _Recording(str(tmp_path / "fused"), save_freq=8, delete_checkpoint=False)
+    _, model1, history1 = _fit(1, [plain], epochs=2, rows=rows, validation=False)
+    acc, model8, history8 = _fit("auto", [fused], epochs=2, rows=rows, validation=False)
+    n, _ = fusion.choose("auto", model8, "train", 40, [fused])
+    assert n == 8
+    assert plain.saved == fused.saved and len(plain.saved) == 10, plain.saved
+    assert len(fused.checkpoints()) == len(plain.checkpoints())
+    for a, b in zip(model1.get_weights(), model8.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(history1.history["loss"], history8.history["loss"], rtol=TOLERANCE)
+
+
+def test_explicit_steps_per_execution_wins_and_stays_the_users():
+    seen = []
+    hooks = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    acc, model, _ = _fit("auto", [hooks], epochs=1, validation=False, steps_per_execution=4)
+    assert seen[:3] == [3, 7, 11] and model.steps_per_execution == 4
+    seen.clear()
+    acc, model, _ = _fit(5, [hooks], epochs=1, validation=False)
+    assert seen[:3] == [4, 9, 14] and model.steps_per_execution == 1
+    assert acc.num_recompiles == 0
+
+
+def test_fused_evaluate_equals_unfused_and_predict_returns_every_row():
+    x, y = _data()
+    results = {}
+    for spe in (1, "auto"):
+        acc = Accelerator(seed=0, devices=DEVICES, steps_per_execution=spe)
+        model = _model(acc)
+        results[spe] = (
+            acc.evaluate(model, x, y, batch_size=BATCH, verbose=0, return_dict=True),
+            acc.predict(model, x, batch_size=BATCH, verbose=0),
+        )
+        assert fusion.choose(spe, model, "test", 38, [])[0] == (1 if spe == 1 else 32)
+    assert results[1][0] == pytest.approx(results["auto"][0], rel=1e-6)
+    assert results["auto"][1].shape == (ROWS, 1)
+    np.testing.assert_allclose(results[1][1], results["auto"][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, "fast", True])
+def test_a_bad_steps_per_execution_names_what_was_received(value):
+    with pytest.raises(ValueError, match=r"'auto' or a positive integer.*Received: steps_per_"):
+        Accelerator(steps_per_execution=value)
