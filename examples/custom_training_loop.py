@@ -30,6 +30,8 @@ def main() -> int:
     parser.add_argument("--width", type=float, default=1.0, help="the seed MLP's width factor")
     parser.add_argument("--virtual-devices", type=int, default=None,
                         help="split the CPU into N devices first")  # fmt: skip
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="train N batches per compiled call (host-loop fusion)")  # fmt: skip
     args = parser.parse_args()
 
     import keras_accel
@@ -69,8 +71,11 @@ def main() -> int:
     started = time.perf_counter()
     for epoch in range(args.epochs):
         loop.reset_metrics()
-        for batch in loop.batches(x, y, batch_size=args.batch_size, shuffle=True, epoch=epoch):
-            loop.train_step(batch)
+        for batch in loop.batches(
+            x, y, batch_size=args.batch_size, shuffle=True, epoch=epoch,
+            steps_per_execution=args.steps_per_execution,
+        ):  # fmt: skip
+            loop.train_step(batch)  # One batch, or a StepGroup of N in one call.
         train = loop.results()
         test = loop.evaluate(x_test, y_test, batch_size=args.batch_size)
         print(

@@ -60,7 +60,7 @@ from typing import Any
 import keras
 import numpy as np
 
-__all__ = ["CustomLoop"]
+__all__ = ["CustomLoop", "StepGroup"]
 
 
 def per_example_losses(loss, y_true, y_pred):
@@ -104,22 +104,46 @@ def _name(loss) -> str:
     return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
 
 
-class LoopBatches:
-    """One epoch of the Accelerator's static batches, ready for a loop's steps."""
+class StepGroup:
+    """Up to `steps_per_execution` consecutive batches that `train_step` or `test_step`
+    runs in one compiled call (host-loop fusion). `len(group)` is how many batches it holds;
+    the last group of an epoch may hold fewer, and runs the same program."""
 
-    def __init__(self, loop: CustomLoop, batches, training: bool, epoch: int):
+    def __init__(self, payload, steps: int):
+        self.payload = payload
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __repr__(self) -> str:
+        return f"StepGroup(steps={self.steps})"
+
+
+class LoopBatches:
+    """One epoch of the Accelerator's static batches, ready for a loop's steps: single
+    batches, or `StepGroup`s of `steps_per_execution` batches."""
+
+    def __init__(
+        self, loop: CustomLoop, batches, training: bool, epoch: int, steps_per_execution: int
+    ):
         self.loop = loop
         self.source = batches
         self.training = training
+        self.steps_per_execution = steps_per_execution
         if hasattr(batches, "epoch"):
             batches.epoch = epoch
         self.plan = batches.plan
 
     def __len__(self) -> int:
-        return self.plan.num_batches
+        """Iterations: batches, or groups of them when fused."""
+        return -(-self.plan.num_batches // self.steps_per_execution)
 
     def __iter__(self):
-        return iter(self.loop._backend.distributed(self.source, self.training))
+        backend = self.loop._backend
+        if self.steps_per_execution > 1:
+            return iter(backend.groups(self.source, self.training, self.steps_per_execution))
+        return iter(backend.distributed(self.source, self.training))
 
 
 class CustomLoop:
@@ -174,8 +198,16 @@ class CustomLoop:
         sample_weight: Any = None,
         epoch: int = 0,
         training: bool = True,
+        steps_per_execution: int | str = "auto",
     ) -> LoopBatches:
         """The Accelerator's static-shape batches of one epoch, placed for the steps.
+
+        With `steps_per_execution=N` > 1 it yields `StepGroup`s of N batches instead, each
+        run by one `train_step` (or `test_step`) call as one compiled program: the host's
+        per-call cost is paid once per N steps, and the results equal N single steps. The
+        loop body then runs once per group. "auto" (default) takes the Accelerator's
+        setting when that is an int, else 1: unlike `fit`'s callbacks, a loop's body is the
+        user's own code, and whether it needs every batch cannot be seen from outside.
 
         Args:
             x, y, sample_weight: arrays (or a `PyDataset` / `tf.data.Dataset` yielding
@@ -184,7 +216,14 @@ class CustomLoop:
             shuffle: a new row order every epoch, a function of (seed, epoch).
             epoch: which epoch's order (so a resumed loop sees the same batches).
             training: False pads every row in, for exact evaluation (and never drops).
+            steps_per_execution: batches per `StepGroup` ("auto" or a positive int).
         """
+        from keras_accel.adapter import fusion
+
+        n = fusion.check(steps_per_execution)
+        if n == fusion.AUTO:
+            chosen = self.accelerator.steps_per_execution
+            n = 1 if chosen == fusion.AUTO else chosen
         acc = self.accelerator
         remainder = acc.remainder or "pad"
         batches = acc._batches(x, y, batch_size, shuffle, sample_weight, None, training, remainder)
@@ -193,24 +232,38 @@ class CustomLoop:
                 "train_step needs targets: pass y (or a data set that yields (x, y)). "
                 "Received: y=None."
             )
-        return LoopBatches(self, batches, training, epoch)
+        return LoopBatches(self, batches, training, epoch, n)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch) -> None:
-        """One optimizer step on one of `batches()`' batches. Returns nothing, so that no step
-        waits for the device; read `results()` when numbers are wanted."""
-        self._check_structure("train", batch)
+        """One optimizer step on one of `batches()`' batches (or one per batch of a
+        `StepGroup`, in one compiled call). Returns nothing, so that no step waits for the
+        device; read `results()` when numbers are wanted."""
         with self.accelerator.scope():
+            if isinstance(batch, StepGroup):
+                self._backend.train_group(batch)
+                return
+            self._check_structure("train", batch)
             self._backend.train(batch)
 
     def test_step(self, batch) -> None:
-        """Update the loss tracker and metrics on one batch, without training."""
-        self._check_structure("test", batch)
+        """Update the loss tracker and metrics on one batch (or a `StepGroup`), without
+        training."""
         with self.accelerator.scope():
+            if isinstance(batch, StepGroup):
+                self._backend.test_group(batch)
+                return
+            self._check_structure("test", batch)
             self._backend.test(batch)
 
     def predict_step(self, batch):
         """The model's outputs for one batch (padding rows included)."""
+        if isinstance(batch, StepGroup):
+            raise ValueError(
+                "predict_step takes one batch: its outputs come back per batch. Received: "
+                f"{batch!r}. Iterate loop.batches(..., steps_per_execution=1) for "
+                "prediction, or call loop.predict(x)."
+            )
         self._check_structure("predict", batch)
         with self.accelerator.scope():
             return self._backend.predict(batch)

@@ -48,9 +48,11 @@ def test_custom_training_loop_example(tmp_path):
         "--epochs=2",
         "--batch-size=64",
         "--width=0.125",
+        "--steps-per-execution=4",
     )
     assert "over 8 replica(s)" in out and "predict:  200 rows of 10 probabilities" in out
-    # 1000 rows in batches of 64 (the last padded): one compilation per step kind.
+    # 1000 rows in batches of 64 (the last padded), fused 4 per call (the last group of 4
+    # holding 4 too: 16 batches): one compilation per step kind.
     assert "compilations {'train': 1, 'test': 1, 'predict': 1}" in out
 
 

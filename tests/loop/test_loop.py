@@ -1,5 +1,7 @@
 """Accelerator.loop: one custom training loop for both backends, equal to Keras's fit."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -215,3 +217,48 @@ def test_bad_inputs_are_clear_errors():
     if acc.num_replicas > 1:
         with pytest.raises(RuntimeError, match=r"optimizer was created outside `acc.scope\(\)`"):
             acc.loop(model, optimizer=keras.optimizers.SGD(0.1))
+
+
+@pytest.mark.parametrize("fuse", [3, 7], ids=["groups-of-3", "one-group-per-epoch"])
+def test_step_groups_equal_single_steps(fuse):
+    # Two replicas: fusion changes the host loop, not the replicated step (8 replicas' TF
+    # graphs only cost compilation time here). 7 batches an epoch: groups of 3 end short.
+    acc = Accelerator(seed=0, devices=min(2, int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8"))))
+    x, y = data(ROWS)
+    weights, logs = [], []
+    for n in (1, fuse):
+        model, _ = _models(acc)
+        loop = acc.loop(model, metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")])
+        batches = loop.batches(x, y, batch_size=BATCH, steps_per_execution=n)
+        assert len(batches) == -(-7 // n)
+        logs.append(_train(loop, x, y, steps_per_execution=n))
+        loop.reset_metrics()
+        for group in loop.batches(x, y, batch_size=BATCH, training=False, steps_per_execution=n):
+            loop.test_step(group)
+        logs.append(loop.results())
+        weights.append(model.get_weights())
+        # One program per kind, the short last group included; every real step counted.
+        assert dict(loop._backend.traces) == {"train": 1, "test": 1}
+        iterations = keras.ops.convert_to_numpy(loop.optimizer.iterations.value)
+        assert int(np.reshape(iterations, -1)[0]) == 7 * EPOCHS
+    assert_weights_close(weights[0], weights[1])
+    for single, fused in zip(logs[0], logs[2]):  # Each epoch's training results.
+        _close(fused, single)
+    _close(logs[3], logs[1])  # The evaluation.
+
+
+def test_step_groups_are_for_train_and_test_steps_only():
+    acc = Accelerator(seed=0, devices=1)
+    model, _ = _models(acc)
+    loop = acc.loop(model)
+    x, y = data(ROWS)
+    group = next(iter(loop.batches(x, y, batch_size=BATCH, steps_per_execution=4)))
+    assert len(group) == 4
+    with pytest.raises(ValueError, match="predict_step takes one batch.*StepGroup"):
+        loop.predict_step(group)
+    with pytest.raises(ValueError, match="'auto' or a positive integer.*Received: steps_per"):
+        loop.batches(x, y, batch_size=BATCH, steps_per_execution=0)
+    # "auto" in a custom loop: one batch per iteration, unless the Accelerator fixes N.
+    assert loop.batches(x, y, batch_size=BATCH).steps_per_execution == 1
+    fixed = Accelerator(seed=0, devices=1, steps_per_execution=5)
+    assert fixed.loop(_models(fixed)[0]).batches(x, y, batch_size=BATCH).steps_per_execution == 5

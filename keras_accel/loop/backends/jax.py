@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from keras import ops
 
@@ -41,6 +42,47 @@ class Steps:
         return self.distribute(batches, training)  # Batches are gathered on the host.
 
     def distribute(self, batches, training: bool):
+        for element in self._host_batches(batches):
+            yield self._put(element)
+
+    def groups(self, batches, training: bool, n: int):
+        """`StepGroup`s of n batches: stacked on the host, placed in one transfer (the batch
+        axis sharded as for one batch), with a `valid` flag per slot; a last, short group is
+        filled with copies that the fused step skips, so every group has one shape."""
+        from keras_accel.loop import StepGroup
+
+        chunk = []
+        for element in self._host_batches(batches):
+            chunk.append(element)
+            if len(chunk) == n:
+                yield StepGroup(self._stack(chunk, n), n)
+                chunk = []
+        if chunk:
+            yield StepGroup(self._stack(chunk, n), len(chunk))
+
+    def _stack(self, chunk: list, n: int):
+        real = len(chunk)
+        chunk = chunk + [chunk[-1]] * (n - real)
+        stacked = jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *chunk)
+        placed = jax.tree_util.tree_map(
+            lambda a: jax.device_put(a, self._group_sharding(a.ndim)), stacked
+        )
+        return placed, jax.device_put(np.arange(n) < real, self._group_sharding(1))
+
+    def _group_sharding(self, ndim: int):
+        distribution = self.runtime.native
+        if distribution is None or ndim < 2:
+            if distribution is None:
+                return jax.sharding.SingleDeviceSharding(self._device)
+            return jax.sharding.NamedSharding(
+                distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+            )
+        spec = jax.sharding.PartitionSpec(None, distribution.batch_dim_name)
+        return jax.sharding.NamedSharding(distribution.device_mesh.backend_mesh, spec)
+
+    def _host_batches(self, batches):
+        """Each batch as host arrays: `(x,)`, or `pack(x, y, weights, mask)` with the user's
+        weights (the loop divides by the global batch's real rows itself)."""
         from keras_accel.adapter.accelerator import _preprocessor
 
         preprocess = _preprocessor(self.loop.model)
@@ -59,11 +101,10 @@ class Steps:
             elements = (unpack(e) for e in dataset.as_numpy_iterator())
         for index, (x, y, weights, mask) in enumerate(elements):
             if y is None:
-                yield (self._put(x),)
+                yield (x,)
                 continue
-            # The loop divides by the global batch's real rows itself: the user's weights.
             weights = np.asarray(weights, "float32") / np.float32(scales[index])
-            yield pack(self._put(x), self._put(y), self._put(weights), self._put(mask))
+            yield pack(x, y, weights, mask)
 
     # ------------------------------------------------------------------ state
     def _metric_variables(self):
@@ -92,14 +133,16 @@ class Steps:
                 variable.assign(value)
 
     # ------------------------------------------------------------------ steps
-    def _run(self, kind: str, batch):
+    def _run(self, kind: str, batch, group: bool = False):
         loop = self.loop
         if kind == "train" and not loop.optimizer.built:
             loop.optimizer.build(loop.model.trainable_variables)
-        function = self._compiled.get(kind)
+        key = f"{kind}_group" if group else kind
+        function = self._compiled.get(key)
         if function is None:
             self._place_state(kind)
             body = {"train": self._train_fn, "test": self._test_fn, "predict": self._predict_fn}
+            body = {k: _fused(fn) if group else fn for k, fn in body.items()}
             if kind == "predict":
                 function = jax.jit(body[kind])
             else:
@@ -107,7 +150,7 @@ class Steps:
                 # compile again), and replaces it: XLA may reuse its buffers.
                 layout = jax.tree_util.tree_map(lambda a: a.sharding, self._state(kind))
                 function = jax.jit(body[kind], donate_argnums=(0,), out_shardings=layout)
-            self._compiled[kind] = function
+            self._compiled[key] = function
         with Patches() as patches:  # BatchNormalization over real rows, while tracing.
             install_batchnorm(patches, loop.model, None)
             return function(self._state(kind), batch)
@@ -134,6 +177,12 @@ class Steps:
 
     def test(self, batch) -> None:
         self._assign("test", self._run("test", batch))
+
+    def train_group(self, group) -> None:
+        self._assign("train", self._run("train", group.payload, group=True))
+
+    def test_group(self, group) -> None:
+        self._assign("test", self._run("test", group.payload, group=True))
 
     def predict(self, batch):
         return self._run("predict", batch)
@@ -214,3 +263,21 @@ class Steps:
 
     def to_host(self, outputs):
         return jax.tree_util.tree_map(np.asarray, outputs)
+
+
+def _fused(step):
+    """`step(state, batch) -> state` run over a group's stacked batches in one program
+    (`lax.scan`); slots flagged invalid (a short last group's filler) leave the state as it
+    was, so a group of fewer steps gives exactly those steps."""
+
+    def steps(state, group):
+        batches, valid = group
+
+        def body(state, inputs):
+            batch, ok = inputs
+            new = step(state, batch)
+            return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, state), None
+
+        return jax.lax.scan(body, state, (batches, valid))[0]
+
+    return steps

@@ -45,6 +45,16 @@ class Steps:
             self._pipeline = cached = (batches, self.distribute(batches, training))
         return cached[1]
 
+    def groups(self, batches, training: bool, n: int):
+        """`StepGroup`s over one iterator of the distributed pipeline: each holds how many
+        batches its fused call reads from it (n, fewer for the epoch's last group)."""
+        from keras_accel.loop import StepGroup
+
+        iterator = iter(self.distributed(batches, training))
+        total = len(batches)
+        for start in range(0, total, n):
+            yield StepGroup(iterator, min(n, total - start))
+
     def distribute(self, batches, training: bool):
         from keras_accel.adapter.accelerator import _preprocessor
 
@@ -68,20 +78,25 @@ class Steps:
         return self.strategy.experimental_distribute_dataset(dataset)
 
     # ------------------------------------------------------------------ steps
-    def _run(self, kind: str, batch):
+    def _run(self, kind: str, batch, group=None):
         loop = self.loop
         if kind == "train" and not loop.optimizer.built:
             loop.optimizer.build(loop.model.trainable_variables)
-        function = self._compiled.get(kind)
+        key = kind if group is None else f"{kind}_group"
+        function = self._compiled.get(key)
         if function is None:
             body = {"train": self._train, "test": self._test, "predict": self._predict}[kind]
-            function = self._compiled[kind] = tf.function(self._distributed(body))
+            step = self._distributed(body)
+            function = tf.function(step if group is None else _fused(step))
+            self._compiled[key] = function
         with Patches() as patches:
             # While tracing: BatchNormalization over real rows, synchronized across replicas;
             # the optimizer averages the replicas' gradients before clipping, as on JAX.
             install_batchnorm(patches, loop.model, self.runtime.all_reduce_sum)
             if self.runtime.num_replicas > 1:
                 install_global_batch_losses(patches)
+            if group is not None:  # The count is a tensor: one program for every group.
+                return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
 
     def _distributed(self, body):
@@ -109,6 +124,12 @@ class Steps:
 
     def test(self, batch) -> None:
         self._run("test", batch)
+
+    def train_group(self, group) -> None:
+        self._run("train", None, group)
+
+    def test_group(self, group) -> None:
+        self._run("test", None, group)
 
     def predict(self, batch):
         return self._run("predict", batch)
@@ -170,6 +191,20 @@ class Steps:
 
     def to_host(self, outputs):
         return tf.nest.map_structure(lambda t: np.asarray(t), outputs)
+
+
+def _fused(step):
+    """`count` steps read from `iterator` in one program: the body of a `tf.while_loop`
+    (not a `tf.cond` around a replicated step, which MirroredStrategy cannot run)."""
+
+    def steps(iterator, count):
+        def body(i):
+            step(next(iterator))
+            return (i + 1,)
+
+        tf.while_loop(lambda i: i < count, body, (tf.constant(0),))
+
+    return steps
 
 
 def _from_py_dataset(batches: PyDatasetBatches) -> tf.data.Dataset:
