@@ -419,8 +419,10 @@ class Accelerator:
             patch=patch,
         )
 
-    def _fuse(self, model, kind: str, steps, callbacks, verbose) -> int:
-        n, why = fusion.choose(self.steps_per_execution, model, kind, steps, callbacks)
+    def _fuse(self, model, kind: str, steps, callbacks, verbose, validating=False) -> int:
+        n, why = fusion.choose(
+            self.steps_per_execution, model, kind, steps, callbacks, validating=validating
+        )
         fusion.note(model, n, why, 1 if verbose == "auto" else verbose)
         if kind == "train":
             run_state(model).steps_per_execution = n
@@ -477,7 +479,7 @@ class Accelerator:
             self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
         )
         steps = steps_per_epoch or len(train)
-        n = self._fuse(model, "train", steps, callbacks, verbose)
+        n = self._fuse(model, "train", steps, callbacks, verbose, validating=val is not None)
 
         def patch(patches):
             _bind_schedule(model, int(epochs) * steps, steps, patches)

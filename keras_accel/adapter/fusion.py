@@ -79,7 +79,9 @@ def _keras_takes_fusion(callback) -> bool:
     return isinstance(callback, checkpoints) and getattr(callback, "save_freq", None) == "epoch"
 
 
-def choose(requested, model, kind: str, steps: int | None, callbacks) -> tuple[int, str]:
+def choose(
+    requested, model, kind: str, steps: int | None, callbacks, validating: bool = False
+) -> tuple[int, str]:
     """`(N, why)`: the steps per host call for one fit/evaluate/predict of `model`.
 
     Args:
@@ -87,6 +89,8 @@ def choose(requested, model, kind: str, steps: int | None, callbacks) -> tuple[i
         kind: "train", "test" or "predict".
         steps: steps in one epoch (or in the evaluation), if known.
         callbacks: the user's callbacks for this call.
+        validating: a fit with validation data, whose callbacks' test batch hooks run too
+            (at the same N: Keras validates with the fit's `steps_per_execution`).
     """
     compiled = _USERS.get(id(model), getattr(model, "steps_per_execution", 1))
     compiled = int(compiled or 1)
@@ -101,17 +105,20 @@ def choose(requested, model, kind: str, steps: int | None, callbacks) -> tuple[i
     limit = max(1, min(AUTO_LIMIT, steps or AUTO_LIMIT))
     period = 0  # gcd(0, p) = p: no constraint yet.
     bounded_by = []
+    kinds = (kind, "test") if validating and kind == "train" else (kind,)
     for callback in callbacks or []:
-        own = getattr(callback, "_fusion_period", None)
-        if own is not None:
-            p = own(kind, steps)
-        elif not batch_hooks(callback, kind) or _keras_takes_fusion(callback):
-            p = None
-        else:
-            p = 1
-        if p is not None:
-            period = math.gcd(period, int(p))
-            bounded_by.append((type(callback).__name__, p, batch_hooks(callback, kind)))
+        for each in kinds:
+            own = getattr(callback, "_fusion_period", None)
+            hooks = batch_hooks(callback, each)
+            if own is not None:
+                p = own(each, steps)
+            elif not hooks or _keras_takes_fusion(callback):
+                p = None
+            else:
+                p = 1
+            if p is not None:
+                period = math.gcd(period, int(p))
+                bounded_by.append((type(callback).__name__, p, hooks))
     if period:
         limit = max(n for n in range(1, min(limit, period) + 1) if period % n == 0)
     why = f"auto: {limit} step(s) per host call"

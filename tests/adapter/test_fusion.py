@@ -149,6 +149,14 @@ def test_backups_fall_on_the_same_steps_fused_and_unfused(tmp_path):
     np.testing.assert_allclose(history1.history["loss"], history8.history["loss"], rtol=TOLERANCE)
 
 
+def test_validation_batch_hooks_count_too():
+    hooks = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: None)
+    model = _model(Accelerator(seed=0, devices=DEVICES))
+    assert fusion.choose("auto", model, "train", 38, [hooks])[0] == 32
+    n, why = fusion.choose("auto", model, "train", 38, [hooks], validating=True)
+    assert n == 1 and "on_test_batch_end" in why, why
+
+
 def test_explicit_steps_per_execution_wins_and_stays_the_users():
     seen = []
     hooks = keras.callbacks.LambdaCallback(
