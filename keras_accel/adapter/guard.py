@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import warnings
@@ -52,6 +53,8 @@ class RecompileGuard:
         self._warm.add((id(model), kind))
 
     def record(self, model, kind: str, data: Any) -> None:
+        if id(model) in _SAME_PROGRAM:
+            return
         signature = shapes(data)
         key = (id(model), kind, repr(signature))
         with self._lock:
@@ -72,3 +75,19 @@ class RecompileGuard:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+# Models whose step is being traced again at another call site of the same program (a fused
+# loop's body, which TensorFlow compiles with the first call): not a compilation of its own.
+# A set, not a contextvar: tf.distribute traces each replica's step in a thread of its own.
+_SAME_PROGRAM: set[int] = set()
+
+
+@contextlib.contextmanager
+def same_program(model):
+    """Traces of `model`'s steps in here belong to the program already being traced."""
+    _SAME_PROGRAM.add(id(model))
+    try:
+        yield
+    finally:
+        _SAME_PROGRAM.discard(id(model))

@@ -11,6 +11,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_accel.adapter import guard
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
@@ -124,37 +125,25 @@ def fused_function(model, kind: str, n: int):
     strategy = model.distribute_strategy
     reduce = keras_internals.reduce_per_replica()
 
-    # One step as its own function, called at both sites below: traced once, and compiled
-    # with XLA where the model asks for it (as Keras compiles one step).
-    @tf.function(jit_compile=bool(model.jit_compile), reduce_retracing=True)
     def one(data):
         outputs = strategy.run(step, args=(data,))
         return reduce(outputs, strategy, reduction="auto")
 
-    def like(value, reference):
-        # An optional's value has the batch axis unknown; the batch `next` returns has it
-        # static. Same shapes at both call sites: `one` is traced once.
-        if reference is None:
-            return value
-        parts = strategy.experimental_local_results(value)
-        shapes = [t.shape for t in strategy.experimental_local_results(reference)]
-        parts = [tf.ensure_shape(part, shape) for part, shape in zip(parts, shapes)]
-        if len(parts) == 1:
-            return parts[0]
-        return strategy.experimental_distribute_values_from_function(
-            lambda context: parts[context.replica_id_in_sync_group]
-        )
+    if model.jit_compile:  # As Keras compiles one step: with XLA where the model asks.
+        one = tf.function(one, jit_compile=True, reduce_retracing=True)
 
     @tf.function
     def steps(iterator):
-        head = next(iterator)
-        outputs = one(head)
+        outputs = one(next(iterator))
 
         def more(i, optional, outputs):
             return tf.logical_and(i < n, optional.has_value())
 
         def body(i, optional, outputs):
-            outputs = one(tf.nest.map_structure(like, optional.get_value(), head))
+            # The same step again, in the same program (inlined: a nested function here
+            # makes TensorFlow's compilation several times slower under a strategy).
+            with guard.same_program(model):
+                outputs = one(optional.get_value())
             optional = tf.cond(i + 1 < n, iterator.get_next_as_optional, lambda: optional)
             return i + 1, optional, outputs
 
