@@ -115,8 +115,8 @@ class LearningRateScheduler(keras.callbacks.Callback):
         """For one fused Accelerator call: the optimizer evaluates the schedule itself, at
         its own step count, inside every compiled step, so the rate changes at every step of
         a group; the hooks only report it. Undone with `patches`."""
-        if n == 1 or self.update_freq != "step" or not self._schedule_in_step():
-            return
+        if epochs is None or n == 1 or self.update_freq != "step" or not self._schedule_in_step():
+            return  # Not a fit (only fit passes its length), or nothing to move into the step.
         bound = self._bind({"epochs": epochs, "steps": steps})
         # The rate variable a step-by-step run would leave, set to the last rate at the
         # end (`on_train_end`), so the optimizer ends as it would without fusion.
