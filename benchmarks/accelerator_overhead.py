@@ -16,9 +16,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,18 +140,7 @@ def memory(args) -> dict:
 
 
 def _child(backend: str, argv: list[str]) -> dict:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, os.path.join(HERE, "accelerator_overhead.py"), *argv, "--child"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        # Native crashes end in stack-frame lines; the message is the line before them.
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "@ 0x" not in ln]
-        return {"error": f"exit {result.returncode}: {lines[-1] if lines else 'no output'}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(os.path.join(HERE, "accelerator_overhead.py"), backend, argv)
 
 
 def main() -> int:

@@ -22,10 +22,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("none", "background", "blocking")
@@ -137,15 +138,7 @@ def measure(args) -> dict:
 
 
 def _child(backend: str, argv: list[str]) -> dict:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    script = os.path.join(HERE, "checkpoint_overhead.py")
-    result = subprocess.run(
-        [sys.executable, script, *argv, "--child"], env=env, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "@ 0x" not in ln]
-        return {"backend": backend, "error": f"exit {result.returncode}: {lines[-1:]}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(os.path.join(HERE, "checkpoint_overhead.py"), backend, argv)
 
 
 def main() -> int:

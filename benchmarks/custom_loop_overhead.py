@@ -17,9 +17,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,15 +94,7 @@ def measure(args) -> dict:
 
 
 def _child(backend: str, argv: list[str]) -> dict:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    script = os.path.join(HERE, "custom_loop_overhead.py")
-    result = subprocess.run(
-        [sys.executable, script, *argv, "--child"], env=env, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "@ 0x" not in ln]
-        return {"backend": backend, "error": f"exit {result.returncode}: {lines[-1:]}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_child(os.path.join(HERE, "custom_loop_overhead.py"), backend, argv)
 
 
 def main() -> int:

@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name: (model, batch size, training rows)
@@ -105,19 +106,8 @@ def measure(args) -> dict:
 
 
 def _child(backend: str, case: str, argv: list[str]) -> dict:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    script = os.path.join(HERE, "fusion.py")
-    result = subprocess.run(
-        [sys.executable, script, *argv, f"--case={case}", "--child"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "@ 0x" not in ln]
-        error = f"exit {result.returncode}: {lines[-1:]}"
-        return {"backend": backend, "case": case, "error": error}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    row = run_child(os.path.join(HERE, "fusion.py"), backend, [*argv, f"--case={case}"])
+    return {"case": case, **row} if "error" in row else row
 
 
 def main() -> int:
