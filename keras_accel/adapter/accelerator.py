@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends, fusion
+from keras_accel.adapter import backends, cluster, fusion
 from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
@@ -116,6 +116,11 @@ class Accelerator:
                 stacklevel=2,
             )
             strategy = "single"
+        # A multi-process run joins its cluster before the first device query.
+        self._cluster = cluster.detect(self._backend)
+        connect = getattr(self._module, "connect", None)
+        if connect is not None:
+            connect(self._cluster)
         inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
         self._plan = resolve(strategy, inventory, devices=devices, mesh_shape=mesh_shape)
         self._runtime = self._module.build(self._plan, layout_map)
@@ -126,6 +131,10 @@ class Accelerator:
         self._functions = FunctionCache()
         # The batch size fit last used per model: evaluate and predict default to it.
         self._batch_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if self.num_processes > 1:
+            # Every process must build the same weights and shuffle the same way: the
+            # chief's seed (drawn there when none was given) is everyone's.
+            seed = self.seed = self._module.agree_seed(seed)
         if seed is not None:
             set_random_seed(seed)
 

@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cli.add_arguments(bench)
     bench.set_defaults(run=bench_cli.run)
+    from keras_accel.cli import launch as launch_cli
+
+    launch = commands.add_parser(
+        "launch",
+        help="run N processes of one script on this host, as a multi-host cluster would",
+        description=launch_cli.__doc__.split("\n\n")[1],
+    )
+    launch_cli.add_arguments(launch)
+    launch.set_defaults(run=launch_cli.run)
     return parser
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_accel.data.batching import pack
+from keras_accel.data.batching import map_structure, pack
 
 
 class StaticBatchDataset(keras.utils.PyDataset):
@@ -14,19 +14,28 @@ class StaticBatchDataset(keras.utils.PyDataset):
     `(x, y, (sample_weight, row_mask))`; with False (`Accelerator.dataset`, for a plain
     `model.fit`) it is Keras's `(x, y, sample_weight)`, padding rows weighted 0. Without
     targets it is `(x,)` either way.
+
+    `rows` (a slice of each global batch) serves only this process's rows of a multi-process
+    run: every process computes the same global batch (same order, same padding), then keeps
+    the rows that its devices hold.
     """
 
-    def __init__(self, batches, carry_mask: bool = True, workers: int = 1):
+    def __init__(self, batches, carry_mask: bool = True, workers: int = 1, rows=None):
         # A thread prefetches the next batches while the device computes the current one.
         super().__init__(workers=workers, use_multiprocessing=False, max_queue_size=4)
         self.batches = batches
         self.carry_mask = carry_mask
+        self.rows = rows
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, index: int):
         x, y, sample_weight, row_mask = self.batches.batch(index)
+        if self.rows is not None:
+            x, y, sample_weight, row_mask = map_structure(
+                lambda a: a[self.rows], (x, y, sample_weight, row_mask)
+            )
         if y is None:
             return (x,)
         if not self.carry_mask:

@@ -65,6 +65,16 @@ def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess, scaled: b
     return fn
 
 
+def take_rows(dataset, rows: slice):
+    """`dataset` with only `rows` of every batch: one process's share of global batches."""
+
+    def cut(*element):
+        element = element[0] if len(element) == 1 else element
+        return tf.nest.map_structure(lambda t: t[rows.start : rows.stop], element)
+
+    return dataset.map(cut, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
 def array_pipeline(
     batches: ArrayBatches,
     carry_mask: bool = True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import keras
@@ -18,9 +19,52 @@ from keras_accel.data.pydataset import StaticBatchDataset
 from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
 from keras_accel.utils import keras_internals
 
+HEARTBEAT_TIMEOUT_S = int(os.environ.get("KERAS_ACCEL_HEARTBEAT_TIMEOUT", "100"))
+
+
+def connect(cluster) -> None:
+    """Join the JAX distributed runtime once, before any device is touched.
+
+    `jax.distributed.initialize` (what `keras.distribution.initialize` calls) with what the
+    environment stated; what it left unstated JAX's own cluster detection fills in. On CPU the
+    processes need cross-process collectives: Gloo, unless the user chose others. A process
+    whose peers stop answering fails after `KERAS_ACCEL_HEARTBEAT_TIMEOUT` seconds (JAX's
+    heartbeat; 100 by default) instead of waiting for ever.
+    """
+    if cluster is None or jax.distributed.is_initialized():
+        return
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=cluster.coordinator,
+            num_processes=cluster.num_processes,
+            process_id=cluster.process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        )
+    except RuntimeError as e:
+        if "before any JAX" in str(e) or "already initialized" in str(e):
+            raise RuntimeError(
+                f"The {cluster.source} describe a run of {cluster.num_processes or 'several'} "
+                "processes, but JAX already computed something in this one, and a process "
+                "joins the JAX distributed runtime only before its first computation. Create "
+                "the Accelerator (or call keras.distribution.initialize()) first thing in the "
+                "script, before building a model or touching an array."
+            ) from e
+        raise
+
+
+def agree_seed(seed: int | None) -> int:
+    """One seed for every process: the chief's (drawn there when `seed` is None)."""
+    from jax.experimental import multihost_utils
+
+    local = np.random.SeedSequence().entropy % 2**31 if seed is None else seed
+    return int(multihost_utils.broadcast_one_to_all(np.int64(local)))
+
 
 def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
-    # JAX finds a TPU by itself; `probe_tpu` is part of the contract for TF's sake.
+    # JAX finds a TPU by itself; `probe_tpu` is part of the contract for TF's sake. In a
+    # multi-process run these are every process's devices, ordered by process.
     found = {}
     for platform in ("tpu", "gpu", "cpu"):
         try:
@@ -28,7 +72,8 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
         except RuntimeError:  # JAX raises when a platform has no backend here.
             continue
         if devices:
-            found[platform] = [f"{platform}:{d.id}" for d in devices]
+            ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+            found[platform] = [f"{platform}:{d.id}" for d in ordered]
     return found
 
 
@@ -56,7 +101,30 @@ class Runtime:
                 layout_map = _rebind(layout_map, mesh)
             self.native = kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         else:
-            self.native = kd.DataParallel(devices=devices)
+            # Several processes: each feeds its own rows of every global batch (`wrap`);
+            # Keras's auto-sharding would want a tf.data.Dataset and shard it by files.
+            self.native = kd.DataParallel(
+                devices=devices, auto_shard_dataset=jax.process_count() == 1
+            )
+
+    def process_rows(self, static_rows: int) -> slice | None:
+        """The rows of a global batch that this process feeds, in a multi-process run
+        (None in one process): those its devices hold under the data layout."""
+        if jax.process_count() == 1 or self.native is None:
+            return None
+        layout = self.native.get_data_layout((static_rows,)).backend_layout
+        held = layout.addressable_devices_indices_map((static_rows,)).values()
+        spans = sorted({(index[0].start or 0, index[0].stop or static_rows) for index in held})
+        start, stop = spans[0][0], spans[-1][1]
+        covered = sum(b - a for a, b in spans)
+        if covered != stop - start:
+            raise ValueError(
+                f"This process's devices hold rows {spans} of each batch of {static_rows}: not "
+                "one contiguous range, which a process feeds. Order the devices by process "
+                "(the default), or use a mesh whose batch axis keeps each process's devices "
+                "together."
+            )
+        return slice(start, stop)
 
     @contextlib.contextmanager
     def scope(self):
@@ -79,6 +147,8 @@ class Runtime:
         return f"lives on {len(placed)} device(s)"
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if self.native is not None and jax.process_count() > 1:
+            _install_replicated_predictions(patches, model, self.native)
         if first_batch is None:
             return
         # Keras builds a model symbolically from the first batch it reads; ours carries the
@@ -94,17 +164,38 @@ class Runtime:
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         if preprocess is None:
             _refuse_text(batches)
+        rows = self.process_rows(batches.plan.static_rows)
         if isinstance(batches, PyDatasetBatches) or (
             isinstance(batches, ArrayBatches) and preprocess is None
         ):
-            return StaticBatchDataset(batches, carry_mask=carry_mask)
+            return StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
         # tf.data inputs, and keras-hub preprocessing (which runs in tf.data, as keras-hub's
         # own fit does on JAX): Keras's JAX trainer reads tf.data batches as numpy.
         from keras_accel.data import tfdata
 
         if isinstance(batches, ArrayBatches):
-            return tfdata.array_pipeline(batches, carry_mask, preprocess)
-        return batches.pipeline(carry_mask, preprocess)
+            pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
+        else:
+            pipeline = batches.pipeline(carry_mask, preprocess)
+        return pipeline if rows is None else tfdata.take_rows(pipeline, rows)
+
+
+def _install_replicated_predictions(patches: Patches, model, distribution) -> None:
+    """In a multi-process run, predictions come back whole on every process: the step's
+    outputs are laid out replicated (one all-gather in the program), so that Keras can read
+    them as numpy where it would otherwise hold a global array spanning other processes'
+    devices."""
+    replicated = jax.sharding.NamedSharding(
+        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+    )
+    original = model.predict_step
+
+    def predict_step(state, data):
+        outputs, non_trainable_variables = original(state, data)
+        outputs = jax.tree.map(lambda t: jax.lax.with_sharding_constraint(t, replicated), outputs)
+        return outputs, non_trainable_variables
+
+    patches.set(model, "predict_step", predict_step)
 
 
 def _refuse_text(batches) -> None:

@@ -1,0 +1,180 @@
+"""Is this process one of several? What the environment says, before any device is touched.
+
+A multi-process run is announced by the environment that started it; the Accelerator reads it
+here and has the backend join the cluster once, before the first device query (JAX refuses to
+join after a computation ran; `tf.distribute` reads `TF_CONFIG` when its strategy is built):
+
+- Keras's own variables (`keras.distribution.initialize` reads them too):
+  `KERAS_DISTRIBUTION_JOB_ADDRESSES` (comma-separated `host:port`, the first is the
+  coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES`, `KERAS_DISTRIBUTION_PROCESS_ID`. This is
+  what `keras-accel launch` sets, and the way to describe a cluster by hand on JAX.
+- The cluster managers JAX detects by itself (`jax.distributed.initialize()` without
+  arguments): a Cloud TPU pod slice, SLURM, Open MPI or MPICH with more than one task.
+- `TF_CONFIG` naming more than one chief/worker task: TensorFlow's multi-worker description
+  (what `MultiWorkerMirroredStrategy` reads).
+
+`KERAS_ACCEL_DISTRIBUTED=0` turns detection off (one process, whatever the environment says);
+`=1` joins a cluster even where nothing above is set (JAX then asks its own detectors).
+A runtime the user initialized already (`keras.distribution.initialize()` or
+`jax.distributed.initialize()` called first) is used as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+SWITCH = "KERAS_ACCEL_DISTRIBUTED"
+KERAS_VARIABLES = (
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A multi-process environment, as found.
+
+    Attributes:
+        source: what announced it, for messages ("KERAS_DISTRIBUTION_* variables",
+            "SLURM", "TF_CONFIG", ...).
+        num_processes: the process count where the environment states it, else None (the
+            runtime finds out when it joins).
+        process_id: this process's index where stated, else None.
+        coordinator: the coordinator's `host:port` where stated, else None.
+    """
+
+    source: str
+    num_processes: int | None = None
+    process_id: int | None = None
+    coordinator: str | None = None
+
+
+def _int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer. Received: {name}={raw!r}") from None
+
+
+def _switch() -> bool | None:
+    raw = os.environ.get(SWITCH, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(
+        f"{SWITCH} must be 0 (one process), 1 (join a cluster) or auto. Received: "
+        f"{SWITCH}={os.environ[SWITCH]!r}"
+    )
+
+
+def detect_keras() -> Cluster | None:
+    """Keras's `KERAS_DISTRIBUTION_*` variables, validated."""
+    if not any(os.environ.get(name) for name in KERAS_VARIABLES):
+        return None
+    addresses = os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES") or None
+    count = _int("KERAS_DISTRIBUTION_NUM_PROCESSES")
+    index = _int("KERAS_DISTRIBUTION_PROCESS_ID")
+    listed = addresses.split(",") if addresses else []
+    if count is None and len(listed) > 1:
+        count = len(listed)
+    if count is not None and count < 1:
+        raise ValueError(f"KERAS_DISTRIBUTION_NUM_PROCESSES must be at least 1. Received: {count}")
+    if count is not None and index is not None and not 0 <= index < count:
+        raise ValueError(
+            f"KERAS_DISTRIBUTION_PROCESS_ID must be in [0, {count}) for {count} processes. "
+            f"Received: KERAS_DISTRIBUTION_PROCESS_ID={index}"
+        )
+    if count is not None and len(listed) > 1 and len(listed) != count:
+        raise ValueError(
+            f"KERAS_DISTRIBUTION_JOB_ADDRESSES lists {len(listed)} addresses but "
+            f"KERAS_DISTRIBUTION_NUM_PROCESSES={count}. List one address per process, or "
+            "only the coordinator's."
+        )
+    if count is not None and count > 1 and (not listed or index is None):
+        missing = [KERAS_VARIABLES[0]] if not listed else []
+        missing += [KERAS_VARIABLES[2]] if index is None else []
+        raise ValueError(
+            f"{count} processes need a coordinator address and this process's index. "
+            f"Missing: {', '.join(missing)}."
+        )
+    return Cluster(
+        "KERAS_DISTRIBUTION_* variables",
+        num_processes=count,
+        process_id=index,
+        coordinator=listed[0] if listed else None,
+    )
+
+
+def detect_jax_managed() -> Cluster | None:
+    """A cluster manager that `jax.distributed.initialize()` detects by itself, with more than
+    one task (read from the manager's own variables; nothing is contacted)."""
+    slurm = _int("SLURM_NTASKS") or _int("SLURM_NPROCS")
+    if os.environ.get("SLURM_JOB_ID") and slurm and slurm > 1:
+        return Cluster("SLURM", slurm, _int("SLURM_PROCID"))
+    ompi = _int("OMPI_COMM_WORLD_SIZE")
+    if ompi and ompi > 1:
+        return Cluster("Open MPI", ompi, _int("OMPI_COMM_WORLD_RANK"))
+    mpich = _int("PMI_SIZE")
+    if mpich and mpich > 1:
+        return Cluster("MPICH", mpich, _int("PMI_RANK"))
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) > 1 or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return Cluster("Cloud TPU pod", len(hosts) or None, _int("TPU_WORKER_ID"))
+    return None
+
+
+def detect_tf_config() -> Cluster | None:
+    """`TF_CONFIG` with more than one chief/worker task."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON. Received: TF_CONFIG={raw!r}") from e
+    cluster = config.get("cluster") or {}
+    workers = [a for kind in ("chief", "worker") for a in cluster.get(kind, [])]
+    if len(workers) < 2:
+        return None
+    task = config.get("task") or {}
+    kind, index = task.get("type"), task.get("index")
+    if kind not in ("chief", "worker") or not isinstance(index, int):
+        raise ValueError(
+            f"TF_CONFIG describes {len(workers)} workers but no valid task for this process: "
+            f"task={task!r}. Expected e.g. {{'type': 'worker', 'index': 0}}."
+        )
+    position = index + (len(cluster.get("chief", [])) if kind == "worker" else 0)
+    return Cluster("TF_CONFIG", len(workers), position, workers[0])
+
+
+def detect(backend: str) -> Cluster | None:
+    """The multi-process environment this process runs in, or None for one process."""
+    switch = _switch()
+    if switch is False:
+        return None
+    if backend == "jax":
+        found = detect_keras() or detect_jax_managed()
+        if found is None and switch:
+            found = Cluster(f"{SWITCH}=1")
+        if found is not None and found.num_processes == 1:
+            return None
+        return found
+    if backend == "tensorflow":
+        found = detect_tf_config()
+        if found is None and switch:
+            raise ValueError(
+                f"{SWITCH}=1 with KERAS_BACKEND=tensorflow needs TF_CONFIG naming every "
+                "worker: TensorFlow's multi-worker strategies find the cluster there. "
+                "`keras-accel launch` sets it for a run on this host."
+            )
+        return found
+    return None

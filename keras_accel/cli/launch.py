@@ -1,0 +1,239 @@
+"""`keras-accel launch`: N processes of one script on this host, as a cluster would start them.
+
+Each process gets the environment a multi-host job gets from its cluster manager, pointed at
+127.0.0.1: Keras's `KERAS_DISTRIBUTION_*` variables (JAX's distributed runtime, with CPU
+collectives when there is no accelerator) and `TF_CONFIG` (TensorFlow's multi-worker
+strategies), so the same script, unchanged, runs here and on a pod. Their output is streamed
+line by line, prefixed with the process index. The launch ends with the first failure: the
+other processes get SIGTERM, then SIGKILL after `--grace` seconds, and the message names the
+process that failed and how. SIGTERM or Ctrl-C to the launcher is passed on to every process
+(a preemption: `keras_accel.callbacks.BackupAndRestore` saves, then the process exits).
+
+Example:
+    keras-accel launch -n 2 --devices-per-process 4 train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_GRACE_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-n", "--num-processes", type=int, required=True, metavar="N", help="processes to start"
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="split each process's CPU into K devices (JAX; a TF worker uses one CPU device)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the coordinator's port on 127.0.0.1 (default: a free one)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help=f"after SIGTERM, how long processes get before SIGKILL (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument("script", help="the Python script to run in every process")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 now (the OS picks them)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def process_env(index: int, ports: list[int], devices_per_process: int | None) -> dict[str, str]:
+    """The variables that make process `index` one of `len(ports)` on this host."""
+    addresses = [f"127.0.0.1:{port}" for port in ports]
+    env = {
+        # JAX (through keras.distribution / jax.distributed): the first address coordinates.
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": addresses[0],
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(len(ports)),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+        # TensorFlow's multi-worker strategies: one worker per process, worker 0 the chief.
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if devices_per_process is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    return env
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: a process whose launcher was killed (SIGKILL cannot be caught) goes too,
+    # instead of waiting for ever on peers that will not come.
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Launch:
+    """The processes of one launch, their output pumps, and how they end."""
+
+    def __init__(self, command: list[str], num_processes: int, ports: list[int], **options):
+        self.command = command
+        self.num_processes = num_processes
+        self.ports = ports
+        self.devices_per_process = options.get("devices_per_process")
+        self.grace = options.get("grace", DEFAULT_GRACE_S)
+        self.out = options.get("out", sys.stdout)
+        self.err = options.get("err", sys.stderr)
+        self.processes: list[subprocess.Popen] = []
+        self._pumps: list[threading.Thread] = []
+        self._write = threading.Lock()
+        self._stopping: str | None = None  # Why the processes were told to stop.
+
+    def say(self, message: str) -> None:
+        with self._write:
+            print(f"keras-accel launch: {message}", file=self.err, flush=True)
+
+    def start(self) -> None:
+        for index in range(self.num_processes):
+            env = dict(os.environ, **process_env(index, self.ports, self.devices_per_process))
+            process = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+            self.processes.append(process)
+            pump = threading.Thread(target=self._pump, args=(index, process), daemon=True)
+            pump.start()
+            self._pumps.append(pump)
+
+    def _pump(self, index: int, process: subprocess.Popen) -> None:
+        for raw in iter(process.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            with self._write:
+                print(f"[{index}] {line}", file=self.out, flush=True)
+        process.stdout.close()
+
+    def signal_all(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
+
+    def stop(self, reason: str) -> None:
+        """SIGTERM to every process still running; SIGKILL to those left after the grace."""
+        if self._stopping is None:
+            self._stopping = reason
+            self.signal_all(signal.SIGTERM)
+            self._deadline = time.monotonic() + self.grace
+
+    def wait(self) -> int:
+        """Watch the processes until all have ended; the launch's exit code."""
+        failed: tuple[int, int] | None = None
+        killed = False
+        while True:
+            codes = [process.poll() for process in self.processes]
+            if all(code is not None for code in codes):
+                break
+            if failed is None:
+                for index, code in enumerate(codes):
+                    if code not in (None, 0) and self._stopping is None:
+                        failed = (index, code)
+                        others = sum(c is None for c in codes)
+                        self.say(
+                            f"process {index} (pid {self.processes[index].pid}) failed: "
+                            f"{describe_exit(code)}. Stopping the other {others} process(es) "
+                            f"(SIGTERM, SIGKILL after {self.grace:g} s)."
+                        )
+                        self.stop(f"process {index} failed")
+                        break
+            if self._stopping is not None and not killed and time.monotonic() > self._deadline:
+                left = [i for i, c in enumerate(codes) if c is None]
+                self.say(
+                    f"process(es) {left} still running {self.grace:g} s after SIGTERM "
+                    f"({self._stopping}): SIGKILL."
+                )
+                self.signal_all(signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+        for pump in self._pumps:
+            pump.join(timeout=5)
+        codes = [process.returncode for process in self.processes]
+        if failed is not None:
+            index, code = failed
+            self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")
+            return code if code > 0 else 128 - code
+        if any(codes):
+            self.say(f"stopped ({self._stopping or 'a process failed'}); exit codes {codes}.")
+            bad = next(c for c in codes if c)
+            return bad if bad > 0 else 128 - bad
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_processes < 1:
+        raise ValueError(f"-n/--num-processes must be at least 1. Received: {args.num_processes}")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        raise ValueError(
+            f"--devices-per-process must be at least 1. Received: {args.devices_per_process}"
+        )
+    if args.grace < 0:
+        raise ValueError(f"--grace must be 0 or more seconds. Received: {args.grace}")
+    if not os.path.isfile(args.script):
+        raise ValueError(f"No such script: {args.script!r}. Pass the path of a Python file.")
+    n = args.num_processes
+    ports = free_ports(n) if args.port is None else [args.port + i for i in range(n)]
+    command = [sys.executable, args.script, *args.args]
+    launch = Launch(
+        command, n, ports, devices_per_process=args.devices_per_process, grace=args.grace
+    )
+
+    def forward(signum, frame):
+        launch.say(f"{signal.Signals(signum).name}: passing SIGTERM to every process.")
+        launch.stop(f"{signal.Signals(signum).name} to the launcher")
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch.start()
+        return launch.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
