@@ -122,7 +122,18 @@ class Accelerator:
         if connect is not None:
             connect(self._cluster)
         inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
-        self._plan = resolve(strategy, inventory, devices=devices, mesh_shape=mesh_shape)
+        workers = None
+        if self._backend == "tensorflow" and self._cluster is not None:
+            workers = self._cluster.num_processes
+        elif self._backend == "tensorflow" and strategy == "multi_worker":
+            raise ValueError(
+                "strategy='multi_worker' on TensorFlow needs TF_CONFIG naming every worker "
+                "(MultiWorkerMirroredStrategy reads the cluster there); none was found. Start "
+                "the script with `keras-accel launch -n N`, or set TF_CONFIG on each host."
+            )
+        self._plan = resolve(
+            strategy, inventory, devices=devices, mesh_shape=mesh_shape, workers=workers
+        )
         self._runtime = self._module.build(self._plan, layout_map)
         self._policy = MIXED_PRECISION[mixed_precision]
         self.seed = seed
@@ -667,6 +678,7 @@ def _first_batch(data, contract: StepContract):
     where numpy's `str`/`object` dtypes are refused."""
     # A PyDataset, else a tf.data.Dataset.
     is_py = isinstance(data, keras.utils.PyDataset)
+    data = getattr(data, "keras_accel_local", data)  # A worker's share of distributed data.
     element = data[0] if is_py else next(iter(data.take(1)))
     element = keras.tree.map_structure(_symbolic_text, element)
     x, y, sample_weight, _ = unpack(element)

@@ -17,6 +17,8 @@ STRATEGIES: dict[str, str] = {
     "mirrored": "data parallel (the tf.distribute name; same as data_parallel on JAX)",
     "model_parallel": "JAX only: a (batch, model) device mesh with a LayoutMap",
     "tpu": "data parallel over TPU cores (TPUStrategy on TF, TPU devices on JAX)",
+    "multi_worker": "data parallel over every process of a cluster (TF: MultiWorkerMirrored"
+    "Strategy, what auto picks under a multi-worker TF_CONFIG; JAX: data_parallel)",
 }
 
 PLATFORM_ORDER = ("tpu", "gpu", "cpu")
@@ -55,6 +57,7 @@ def resolve(
     inventory: dict[str, list],
     devices: list | None = None,
     mesh_shape: tuple | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """Turn a strategy name and the device inventory into a `Plan`.
 
@@ -65,8 +68,21 @@ def resolve(
             `devices` of them when an int.
         mesh_shape: for "model_parallel", the (data, model) sizes; their product must equal
             the device count.
+        workers: the worker count of a TF multi-worker cluster (TF_CONFIG), else None. Then
+            `inventory` lists this worker's devices, and data parallelism spans the workers.
     """
     check_strategy_name(strategy)
+    if workers is not None and strategy in ("auto", "data_parallel", "mirrored"):
+        strategy = "multi_worker"
+    if strategy == "multi_worker":
+        if workers is None:
+            return resolve("data_parallel", inventory, devices, mesh_shape)
+        platform = "gpu" if inventory.get("gpu") else "cpu"
+        # MultiWorkerMirroredStrategy computes on each worker's GPUs, else on its CPU.
+        local = _choose(list(inventory.get(platform, [])), devices, platform)
+        local = local if platform == "gpu" else local[:1]
+        replicas = workers * len(local)
+        return Plan("multi_worker", platform, tuple(local), (replicas, 1))
     if strategy == "tpu":
         platform = "tpu"
         if not inventory.get("tpu"):

@@ -68,11 +68,14 @@ def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess, scaled: b
 def take_rows(dataset, rows: slice):
     """`dataset` with only `rows` of every batch: one process's share of global batches."""
 
-    def cut(*element):
-        element = element[0] if len(element) == 1 else element
+    def cut(element):
         return tf.nest.map_structure(lambda t: t[rows.start : rows.stop], element)
 
-    return dataset.map(cut, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    def cut_items(*items):  # tf.data passes a tuple's items apart.
+        return cut(items)
+
+    fn = cut_items if isinstance(dataset.element_spec, tuple) else cut
+    return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def array_pipeline(

@@ -187,6 +187,11 @@ def reduce_per_replica():
     return reduce_per_replica
 
 
+def tf_trainer_module():
+    """The module whose `reduce_per_replica` Keras's TF step functions call."""
+    return importlib.import_module("keras.src.backend.tensorflow.trainer")
+
+
 def set_global_seed(seed: int) -> None:
     """What `keras.utils.set_random_seed` does to Keras's own state, without importing
     TensorFlow on a JAX run (Keras's version imports it wherever it is installed)."""

@@ -68,6 +68,48 @@ def connect_tpu(timeout_s: float = TPU_TIMEOUT_S):
     return _tpu_resolver
 
 
+_multi_worker = None  # One MultiWorkerMirroredStrategy per process, made before any op.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_COLLECTIVE_TIMEOUT", "120"))
+
+
+def connect(cluster) -> None:
+    """Join a TF_CONFIG cluster: `MultiWorkerMirroredStrategy` must exist before TensorFlow
+    runs its first op (it configures the collective runtime), so it is made here, before the
+    device inventory. Collectives give up after `KERAS_ACCEL_COLLECTIVE_TIMEOUT` seconds (120
+    by default) when a worker stops answering, instead of waiting for ever."""
+    global _multi_worker
+    if cluster is None or _multi_worker is not None:
+        return
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=COLLECTIVE_TIMEOUT_S)
+    try:
+        _multi_worker = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"TF_CONFIG describes {cluster.num_processes} workers, but TensorFlow already ran "
+            "an op in this process, and MultiWorkerMirroredStrategy must be created before the "
+            "first one. Create the Accelerator first thing in the script, before building a "
+            f"model or touching a tensor. ({e})"
+        ) from e
+
+
+def agree_seed(seed: int | None) -> int:
+    """One seed for every worker: the chief's (drawn there when `seed` is None)."""
+    import numpy as np
+
+    from keras_accel.utils import process
+
+    strategy = _multi_worker
+    local = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    mine = tf.constant(local if process.is_chief() else 0, tf.int64)
+    per_worker = strategy.num_replicas_in_sync // process.num_processes()
+
+    @tf.function
+    def broadcast():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.identity(mine)), axis=None)
+
+    return int(broadcast().numpy()) // per_worker
+
+
 def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
     found = {}
     if probe_tpu and connect_tpu() is not None:
@@ -97,7 +139,10 @@ def _global_result(metric, result):
     values = []
     for variable in metric.variables:
         operation = operations.get(getattr(variable.value, "aggregation", None))
-        local = tf.convert_to_tensor(variable.value)
+        # tf.identity places the read on this replica's device: a read of a metric's
+        # variable carries none under MultiWorkerMirroredStrategy, and its collective then
+        # fails ("destinations can not be empty").
+        local = tf.identity(tf.convert_to_tensor(variable.value))
         values.append(local if operation is None else context.all_reduce(operation, local))
     with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
         return result()
@@ -108,6 +153,32 @@ def _all_reduce_sum(tensors):
     if context is None or context.num_replicas_in_sync == 1:
         return tensors
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+
+def _reduce_logs(values, strategy, reduction):
+    """Keras's `reduce_per_replica`, except for the logs of a multi-worker step.
+
+    There Keras 3's reduces every log with `strategy.reduce("MEAN", v, axis=0)`, which fails
+    for the scalar logs every step returns ("Invalid reduction dimension (0 for input with 0
+    dimension(s)", the second half of keras-team/keras#20585). keras_accel's logs are already
+    global in every replica (`install_global_results`): the first local replica's value is
+    the exact one, as on one device.
+    """
+    if reduction in ("auto", "mean", "first") and isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ):
+
+        def first(v):
+            if isinstance(v, tf.distribute.DistributedValues):
+                return strategy.experimental_local_results(v)[0]
+            return v
+
+        return tf.nest.map_structure(first, values)
+    return _KERAS_REDUCE(values, strategy, reduction)
+
+
+# Keras's, read before any call patches the module's name with `_reduce_logs`.
+_KERAS_REDUCE = keras_internals.reduce_per_replica()
 
 
 def fused_function(model, kind: str, n: int):
@@ -123,7 +194,7 @@ def fused_function(model, kind: str, n: int):
     """
     step = getattr(model, f"{kind}_step")
     strategy = model.distribute_strategy
-    reduce = keras_internals.reduce_per_replica()
+    reduce = _reduce_logs
 
     def one(data):
         outputs = strategy.run(step, args=(data,))
@@ -196,6 +267,14 @@ class Runtime:
             self.native = tf.distribute.TPUStrategy(connect_tpu())
         elif plan.strategy == "single":
             self.native = None
+        elif plan.strategy == "multi_worker":
+            self.native = _multi_worker
+            if self.native.num_replicas_in_sync != plan.num_replicas:
+                raise RuntimeError(
+                    f"MultiWorkerMirroredStrategy has {self.native.num_replicas_in_sync} "
+                    f"replicas where {plan.num_replicas} were planned ({plan.devices} per "
+                    "worker): every worker must see the same devices."
+                )
         else:
             self.native = _mirrored(tuple(plan.devices))
         # BatchNormalization sums its moments across replicas (see adapter.batchnorm).
@@ -249,6 +328,8 @@ class Runtime:
                 model._symbolic_build()
 
             patches.set(model, "_maybe_symbolic_build", build)
+        if self.plan.strategy == "multi_worker":
+            patches.set(keras_internals.tf_trainer_module(), "reduce_per_replica", _reduce_logs)
         if self.num_replicas > 1:
             if training:
                 _check_optimizers_built(model)
@@ -265,11 +346,41 @@ class Runtime:
         from keras_accel.data import tfdata
 
         if isinstance(batches, ArrayBatches):
-            return tfdata.array_pipeline(batches, carry_mask, preprocess)
-        if isinstance(batches, tfdata.StaticTFBatches):
-            return batches.pipeline(carry_mask, preprocess)
-        # A user's PyDataset: Keras's own route (tf.data from a generator).
-        return StaticBatchDataset(batches, carry_mask=carry_mask)
+            pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
+        elif isinstance(batches, tfdata.StaticTFBatches):
+            pipeline = batches.pipeline(carry_mask, preprocess)
+        elif self.plan.strategy == "multi_worker":
+            raise ValueError(
+                "Under MultiWorkerMirroredStrategy keras_accel feeds each worker its rows of "
+                "every global batch through tf.data; a keras.utils.PyDataset has no tf.data "
+                f"form here. Received: {type(batches.source).__name__}. Pass arrays or a "
+                "tf.data.Dataset."
+            )
+        else:
+            # A user's PyDataset: Keras's own route (tf.data from a generator).
+            return StaticBatchDataset(batches, carry_mask=carry_mask)
+        if self.plan.strategy != "multi_worker":
+            return pipeline
+        return self._per_worker(pipeline, batches.plan.static_rows)
+
+    def _per_worker(self, pipeline, static_rows: int):
+        """Each worker reads its own rows of every global batch (the same batches on every
+        worker: same order, same padding), split over its local replicas: what a plain
+        `experimental_distribute_dataset` would do with auto-sharding by data, except that
+        it shards whole batches, and then each worker trains on different global batches."""
+        from keras_accel.data import tfdata
+        from keras_accel.utils import process
+
+        workers = process.num_processes()
+        share = static_rows // workers
+        index = process.process_index()
+        mine = tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        mine = mine.with_options(options)
+        distributed = self.native.distribute_datasets_from_function(lambda context: mine)
+        distributed.keras_accel_local = mine  # What the model is built from (`_first_batch`).
+        return distributed
 
 
 def _check_optimizers_built(model) -> None:
