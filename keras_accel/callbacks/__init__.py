@@ -13,9 +13,16 @@ only, and writes to local paths or URLs (`gs://`, `s3://`, `memory://`) through
 docs/callbacks.md.
 """
 
+from keras_accel.callbacks._preemption import Preempted
 from keras_accel.callbacks.backup import BackupAndRestore
 from keras_accel.callbacks.checkpoint import ModelCheckpoint
 from keras_accel.callbacks.history import History
 from keras_accel.callbacks.learning_rate import LearningRateScheduler
 
-__all__ = ["BackupAndRestore", "History", "LearningRateScheduler", "ModelCheckpoint"]
+__all__ = [
+    "BackupAndRestore",
+    "History",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "Preempted",
+]

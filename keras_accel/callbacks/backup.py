@@ -14,6 +14,7 @@ import warnings
 import keras
 
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
+from keras_accel.callbacks._preemption import Preempted, Watch
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.state import engines, files, tree
@@ -203,6 +204,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._save_at_epoch_end = False
         self._last_batch, self._batch_epoch = -1, None  # To count batches across epochs.
         self._replay: dict | None = None  # The state to assign again at the replay's end.
+        self._watch: Watch | None = None  # SIGTERM -> a last backup (`_preemption`).
+        self._preempted = False
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
@@ -229,6 +232,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if process.is_chief():
             self._prepare_directory()
             self._lock.acquire(model)
+        # The others read the directory once the chief has made (or cleaned) it.
+        process.barrier("keras_accel.BackupAndRestore.on_train_begin", model)
         try:
             self.restore()
         except BaseException:
@@ -237,6 +242,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._lock.release()
             self._training = False
             raise
+        self._stop_watch()  # One a fit that raised left behind.
+        self._watch, self._preempted = Watch(model), False
 
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch
@@ -253,8 +260,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")
         if steps:  # Keras numbers a fused last group past the epoch's end.
             batch = min(batch, steps - 1)
+        # Every process asks at every batch end, so that all agree on the same one.
+        preempted = self._watch is not None and self._watch.reached()
         state = run_state(self._model)
         if self._replay is not None and state.replaying(self._current_epoch, batch + 1):
+            if preempted:  # Nothing new since the backup this run restored.
+                self._preempt(None)
             return  # Still before the restored position.
         if self._replay is not None:
             self._finish_replay()
@@ -266,26 +277,55 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_batch_seen = batch
         if process.is_chief():
             self._lock.heartbeat()
-        if not isinstance(self.save_freq, int) or self.save_freq is False:
-            return
-        if self._steps_done - self._last_saved < self.save_freq:
+        due = isinstance(self.save_freq, int) and self.save_freq is not False
+        due = due and self._steps_done - self._last_saved >= self.save_freq
+        if not (due or preempted):
             return
         steps = (self.params or {}).get("steps")
         if steps and batch + 1 >= steps:
             # The epoch's last batch: save after validation and the epoch's History row.
             self._save_at_epoch_end = True
+            self._preempted = self._preempted or preempted
             return
-        self.save(self._current_epoch, batch + 1)
+        path = self.save(self._current_epoch, batch + 1)
+        if preempted:
+            self._preempt(path)
 
     def on_epoch_end(self, epoch, logs=None):
         run_state(self._model).replay_epoch = None
         self._current_epoch, self._last_batch_seen = epoch + 1, 0
         if self.save_freq == "epoch" or self._save_at_epoch_end:
             self._save_at_epoch_end = False
-            self.save(epoch + 1, 0, logs=logs, finished_epoch=epoch)
+            path = self.save(epoch + 1, 0, logs=logs, finished_epoch=epoch)
+            if self._preempted:
+                self._preempt(path)
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
+
+    def _preempt(self, path: str | None) -> None:
+        """SIGTERM reached every process: the backup is on disk, then the fit ends with
+        `Preempted` (exit code 143). What `on_train_end` would do is done here, since Keras
+        skips it when a callback raises; the backups stay for the next run."""
+        try:
+            self.wait()
+        finally:
+            self._training = False
+            self._stop_watch()
+            self._close()
+            if process.is_chief():
+                self._lock.release()
+        where = f"saved {path}" if path else "the last backup is the one this run restored"
+        raise Preempted(
+            f"BackupAndRestore: SIGTERM (preemption) reached every process; {where}. The next "
+            f"run with backup_dir={self.backup_dir!r} resumes from it."
+        )
 
     def on_train_end(self, logs=None):
         self._training = False
+        self._stop_watch()
         model = self._model
         # Keras never clears the epoch a restore set: a later fit would skip epochs.
         model._initial_epoch = None

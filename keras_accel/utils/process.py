@@ -60,3 +60,38 @@ def process_index() -> int:
 def is_chief() -> bool:
     """True in the one process that writes files."""
     return process_index() == 0
+
+
+def barrier(name: str, model=None) -> None:
+    """Wait until every process got here (nothing to do in one process).
+
+    Where one process prepares something that all then read (the chief creates a backup
+    directory, the others list it), the others must not look before it is done. JAX: the
+    distributed runtime's `sync_global_devices`; TensorFlow: one all-reduce over the
+    model's multi-worker strategy.
+    """
+    if num_processes() == 1:
+        return
+    if _backend() == "jax":
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    import tensorflow as tf
+
+    from keras_accel.utils import keras_internals
+
+    strategy = (model is not None and keras_internals.distribute_strategy_of(model)) or None
+    strategy = strategy or tf.distribute.get_strategy()
+    if strategy not in _BARRIERS:  # Traced once: an eager collective costs a warning a call.
+
+        @tf.function
+        def meet():
+            ones = strategy.run(lambda: tf.constant(1.0))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+
+        _BARRIERS[strategy] = meet
+    _BARRIERS[strategy]()
+
+
+_BARRIERS: dict = {}

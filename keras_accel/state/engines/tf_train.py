@@ -5,14 +5,40 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 
 import tensorflow as tf
 
 from keras_accel.state import files
+from keras_accel.utils import process
 
 NAME = "tf.train"
 PREFIX = "ckpt"
-_META_KEY = "meta/.ATTRIBUTES/VARIABLE_VALUE"
+_META_KEYS = ("meta/.ATTRIBUTES/py_state", "meta/.ATTRIBUTES/VARIABLE_VALUE")  # New, old.
+
+
+class _Meta(tf.train.experimental.PythonState):
+    """The JSON record, saved inside the checkpoint (so it commits with the arrays). Not a
+    string variable: one made under a multi-worker strategy would be broadcast between the
+    workers by a collective, which takes no strings."""
+
+    def __init__(self):
+        self.value = ""
+
+    def serialize(self):
+        return self.value
+
+    def _copy_trackable_to_cpu(self, object_map):
+        # TF's asynchronous save writes host copies of what it saves, made by a traced
+        # function (Python runs once, at trace time): the record is its own copy instead,
+        # which `Engine.save` sets only once the previous write has finished.
+        object_map[self] = self
+
+    def deserialize(self, string_value):
+        value = string_value.numpy() if hasattr(string_value, "numpy") else string_value
+        self.value = value.decode("utf-8") if isinstance(value, bytes) else value
+
+
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -43,6 +69,10 @@ class Engine:
         for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*_temp")):
             _remove(path)
         self.max_to_keep = max_to_keep
+        # Under a multi-worker strategy every worker saves (reading a variable that is synced
+        # on read is a collective), but only the chief into `directory`: the others write a
+        # scratch copy, dropped after each save (TensorFlow's multi-worker recipe).
+        self._scratch = None if process.is_chief() else tempfile.mkdtemp(prefix="keras-accel-")
         self.options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=asynchronous)
         self._checkpoint = None
         self._manager = None
@@ -54,21 +84,22 @@ class Engine:
         if self._keys == keys:
             return
         self.wait()
-        # The meta record is a string variable inside the checkpoint, so it commits with
-        # the arrays, atomically.
-        with tf.device("/cpu:0"):
-            self._meta = tf.Variable("", dtype=tf.string, trainable=False)
+        self._meta = _Meta()
         self._checkpoint = tf.train.Checkpoint(
             values={key: variable.value for key, variable in variables.items()}, meta=self._meta
         )
         self._manager = tf.train.CheckpointManager(
-            self._checkpoint, self.directory, max_to_keep=self.max_to_keep, checkpoint_name=PREFIX
+            self._checkpoint,
+            self._scratch or self.directory,
+            max_to_keep=1 if self._scratch else self.max_to_keep,
+            checkpoint_name=PREFIX,
         )
         self._keys = keys
 
     def save(self, step: int, variables: dict, meta: dict) -> None:
         self._bind(variables)
-        self._meta.assign(json.dumps(meta))
+        self.wait()  # TF's save waits for the previous write too; the record is shared.
+        self._meta.value = json.dumps(meta)
         self._manager.save(checkpoint_number=step, options=self.options)
 
     def path(self, step: int) -> str:
@@ -100,7 +131,8 @@ class Engine:
 
     def read_meta(self, step: int) -> dict:
         reader = tf.train.load_checkpoint(self._path(step))
-        value = reader.get_tensor(_META_KEY)
+        key = next((k for k in _META_KEYS if reader.has_tensor(k)), _META_KEYS[0])
+        value = reader.get_tensor(key)
         return json.loads(value.decode("utf-8") if isinstance(value, bytes) else value)
 
     def has(self, step: int) -> bool:
@@ -131,6 +163,8 @@ class Engine:
 
     def close(self) -> None:
         self.wait()
+        if self._scratch is not None:
+            _remove(self._scratch)
 
 
 def _remove(path: str) -> None:

@@ -1,0 +1,100 @@
+"""Preemption: a SIGTERM (what a cloud sends before it takes a VM) becomes a last backup.
+
+Every process of a run must save at the same step (a checkpoint is one collective write), but
+each gets its SIGTERM at its own moment. `Watch.reached()`, called by every process at every
+training-batch end, answers True on all of them at the same call once any was told:
+
+- JAX with `jax.distributed`: the runtime's preemption sync point
+  (`multihost_utils.reached_preemption_sync_point`, what Orbax's `reached_preemption` asks);
+  JAX's distributed runtime catches SIGTERM itself, and agreeing costs nothing until one
+  arrives;
+- TensorFlow under a multi-worker strategy: a SIGTERM handler sets a flag, and the workers
+  add their flags in one small all-reduce per call;
+- one process: a SIGTERM handler and its flag.
+
+A handler installed here is removed when the watch closes (Python's own comes back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+from keras_accel.utils import process
+
+
+class Preempted(SystemExit):
+    """Raised out of `fit` after the preemption backup is on disk: the process then exits
+    with code 143 (128 + SIGTERM), as a process stopped by SIGTERM does, so that a cluster
+    manager restarts it, and the next run resumes from that backup."""
+
+    code = 143
+
+    def __init__(self, message: str):
+        super().__init__(143)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_calls = 0  # One count per process: the sync point needs ids that only grow.
+
+
+class Watch:
+    def __init__(self, model):
+        import keras
+
+        self.backend = keras.backend.backend()
+        self._flag = threading.Event()
+        self._previous = None
+        self._reduce = None
+        self._jax = False
+        if self.backend == "jax" and process.num_processes() > 1:
+            import jax
+
+            self._jax = jax.distributed.is_initialized()
+        if not self._jax and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        if self.backend == "tensorflow" and process.num_processes() > 1:
+            self._reduce = _tf_any(model)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._flag.set()
+
+    def reached(self) -> bool:
+        global _calls
+        _calls += 1
+        if self._jax:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(_calls))
+        if self._reduce is not None:
+            return self._reduce(self._flag.is_set())
+        return self._flag.is_set()
+
+    def close(self) -> None:
+        if self._previous is not None:
+            with contextlib.suppress(ValueError):  # Not the main thread any more.
+                signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _tf_any(model):
+    """Whether any worker's flag is set: one all-reduce over the model's strategy."""
+    import tensorflow as tf
+
+    from keras_accel.utils import keras_internals
+
+    strategy = keras_internals.distribute_strategy_of(model) or tf.distribute.get_strategy()
+
+    @tf.function
+    def total(flag):
+        per_replica = strategy.run(lambda: tf.identity(flag))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def any_set(flag: bool) -> bool:
+        return bool(total(tf.constant(1.0 if flag else 0.0)).numpy() > 0)
+
+    return any_set

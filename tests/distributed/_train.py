@@ -1,0 +1,115 @@
+"""One process of a multi-process run, started by `keras-accel launch` (or alone, as the
+one-process reference). Usage:
+
+    python _train.py WORKDIR [--devices N] [--die PROCESS:STEP] [--stall-at STEP]
+
+Trains a small seeded model (Dense, BatchNormalization; SGD with momentum) through
+`Accelerator.fit` on 100 rows in global batches of 16 (7 steps per epoch, the last padded,
+so the rows split unevenly over processes), 3 epochs, shuffled, with BackupAndRestore
+(save_freq=3 steps, backups kept) and History(path). At the end every process writes its
+final weights, loss history, evaluation and predictions to WORKDIR/result-<process>.npz.
+
+Every file keras_accel writes itself (through `keras_accel.state.files`) is logged to
+WORKDIR/writes-<process>.txt, so a test can see which process wrote what.
+
+--die P:S     process P SIGKILLs itself at the end of global step S.
+--stall-at S  every process writes WORKDIR/at-<S>-<process> at step S and then sleeps 0.3 s
+              per step (a window for a test to send SIGTERM).
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import numpy as np
+
+parser = argparse.ArgumentParser()
+parser.add_argument("workdir")
+parser.add_argument("--devices", type=int, default=None)
+parser.add_argument("--die", default=None)
+parser.add_argument("--stall-at", type=int, default=None)
+args = parser.parse_args()
+
+import keras_accel  # noqa: E402
+
+if args.devices is not None:
+    keras_accel.configure_virtual_cpu_devices(args.devices)
+
+import keras  # noqa: E402
+
+from keras_accel import Accelerator  # noqa: E402
+from keras_accel.callbacks import BackupAndRestore, History  # noqa: E402
+from keras_accel.state import files  # noqa: E402
+
+# The Accelerator first: a multi-process run joins its cluster before anything computes.
+acc = Accelerator(seed=0, devices=args.devices)
+me = acc.process_index
+log = os.path.join(args.workdir, f"writes-{me}.txt")
+for name in ("write_atomic", "upload"):
+    original = getattr(files, name)
+
+    def logged(path, *rest, _original=original, _name=name):
+        with open(log, "a") as f:
+            f.write(f"{_name} {path}\n")
+        return _original(path, *rest)
+
+    setattr(files, name, logged)
+
+
+class Events(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if args.die and args.die == f"{me}:{self.step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.stall_at is not None and self.step >= args.stall_at:
+            if self.step == args.stall_at:
+                open(os.path.join(args.workdir, f"at-{self.step}-{me}"), "w").close()
+            time.sleep(0.3)
+
+
+with acc.scope():
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.05, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+rng = np.random.default_rng(0)
+x = rng.normal(size=(100, 6)).astype("float32")
+y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
+history = History(os.path.join(args.workdir, "history.json"))
+backup = BackupAndRestore(
+    os.path.join(args.workdir, "backup"), save_freq=3, delete_checkpoint=False
+)
+acc.fit(
+    model,
+    x,
+    y,
+    batch_size=16,
+    epochs=3,
+    shuffle=True,
+    verbose=0,
+    callbacks=[history, backup, Events()],
+)
+evaluation = acc.evaluate(model, x, y, verbose=0)
+predictions = acc.predict(model, x, verbose=0)
+np.savez(
+    os.path.join(args.workdir, f"result-{me}.npz"),
+    loss=np.asarray(history.history["loss"]),
+    evaluation=np.asarray(evaluation),
+    predictions=predictions,
+    **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
+)
+print(f"process {me} of {acc.num_processes}: done", flush=True)
