@@ -318,10 +318,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             if process.is_chief():
                 self._lock.release()
         where = f"saved {path}" if path else "the last backup is the one this run restored"
-        raise Preempted(
+        message = (
             f"BackupAndRestore: SIGTERM (preemption) reached every process; {where}. The next "
             f"run with backup_dir={self.backup_dir!r} resumes from it."
         )
+        print_msg(message)  # SystemExit prints nothing of its own.
+        raise Preempted(message)
 
     def on_train_end(self, logs=None):
         self._training = False

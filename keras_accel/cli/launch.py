@@ -201,6 +201,9 @@ class Launch:
             index, code = failed
             self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")
             return code if code > 0 else 128 - code
+        if codes and all(code == 143 for code in codes):
+            self.say(f"preempted ({self._stopping}): every process saved and exited (143).")
+            return 143
         if any(codes):
             self.say(f"stopped ({self._stopping or 'a process failed'}); exit codes {codes}.")
             bad = next(c for c in codes if c)

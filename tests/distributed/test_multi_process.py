@@ -1,0 +1,203 @@
+"""The same script on several processes, for real: `keras-accel launch` on localhost.
+
+JAX: 2 processes x 4 virtual CPU devices (jax.distributed, Gloo collectives) against one
+process with 8. TensorFlow: 2 workers under MultiWorkerMirroredStrategy (a TF worker computes
+on one CPU device) against one process with MirroredStrategy over 2. Same global batch, same
+seed; the data (100 rows in batches of 16) splits unevenly, so the last batch is padded.
+
+Tolerances: TensorFlow's ring all-reduce of 2 values is the same sum as MirroredStrategy's
+(measured: bit-equal); JAX's cross-process Gloo all-reduce adds the 8 shards in another order
+than the in-process one: measured <= 1e-6 on these weights after 21 steps; 1e-5 allows for
+the momentum's amplification on other machines. Processes of one run, and a run resumed
+from its own backup, are compared exactly.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    BACKEND not in ("jax", "tensorflow"), reason="multi-process runs need JAX or TensorFlow"
+)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "_train.py")
+PROCESSES = 2
+LOCAL_DEVICES = 8 if BACKEND == "jax" else 2  # The one-process reference.
+TOLERANCE = 1e-5 if BACKEND == "jax" else 1e-6
+TIMEOUT_S = 300  # A launch takes 10-25 s here; a hang fails instead of stalling the suite.
+GRACE_S = 5
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("KERAS_ACCEL_TEST_DEVICES", None)
+    return env
+
+
+def _launch_command(workdir, *extra):
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", str(PROCESSES)]
+    command += ["--grace", str(GRACE_S)]
+    if BACKEND == "jax":
+        command += ["--devices-per-process", str(LOCAL_DEVICES // PROCESSES)]
+    return [*command, SCRIPT, str(workdir), *extra]
+
+
+def launch(workdir, *extra, check=True):
+    os.makedirs(workdir, exist_ok=True)
+    result = subprocess.run(
+        _launch_command(workdir, *extra),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    if check and result.returncode != 0:
+        output = f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        pytest.fail(f"launch failed ({result.returncode}):\n{output}")
+    return result
+
+
+def one_process(workdir):
+    os.makedirs(workdir, exist_ok=True)
+    command = [sys.executable, SCRIPT, str(workdir), "--devices", str(LOCAL_DEVICES)]
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def results(workdir, process=0):
+    with np.load(os.path.join(workdir, f"result-{process}.npz")) as f:
+        return dict(f)
+
+
+def weights(result):
+    return [result[k] for k in sorted(result, key=lambda k: (len(k), k)) if k.startswith("w")]
+
+
+def assert_same(a, b, atol=0.0):
+    for x, y in zip(weights(a), weights(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+
+
+def backup_steps(workdir):
+    names = os.listdir(os.path.join(workdir, "backup"))
+    if BACKEND == "jax":
+        return sorted(int(n) for n in names if n.isdigit())
+    return sorted(int(n[5:-6]) for n in names if n.startswith("ckpt-") and n.endswith(".index"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("one-process")
+    one_process(workdir)
+    return results(workdir)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One uninterrupted 2-process run: its directory."""
+    workdir = tmp_path_factory.mktemp("two-processes")
+    launch(workdir)
+    return workdir
+
+
+def test_processes_agree_and_match_one_process(run, reference):
+    first, second = results(run, 0), results(run, 1)
+    for key in first:  # Weights, losses, evaluation and predictions: identical everywhere.
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert first["predictions"].shape == (100, 3)  # Every row, in order, on every process.
+    assert_same(first, reference, TOLERANCE)
+    np.testing.assert_allclose(first["loss"], reference["loss"], rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(first["evaluation"], reference["evaluation"], atol=TOLERANCE)
+    np.testing.assert_allclose(first["predictions"], reference["predictions"], atol=10 * TOLERANCE)
+
+
+def test_only_the_chief_writes(run):
+    with open(os.path.join(run, "writes-0.txt")) as f:
+        chief = f.read().split()
+    assert os.path.join(str(run), "history.json") in chief
+    assert os.path.join(str(run), "backup", ".lock") in chief
+    other = run / "writes-1.txt"
+    assert not other.exists() or not other.read_text()
+    from keras_accel.callbacks import History
+
+    assert History.load(os.path.join(run, "history.json")).epoch == [0, 1, 2]
+    # The engine's own multi-host protocol wrote the backups (every 3 steps, 21 in all).
+    assert backup_steps(run) == [9, 12, 15, 18, 21]
+
+
+def test_restore_on_another_process_count(run, tmp_path):
+    """Backups of 2 processes restore into 1 (the engine reads each array into the new
+    layout): resumed from step 9 of 21, one process ends where the two did."""
+    workdir = tmp_path / "resumed"
+    shutil.copytree(run, workdir)
+    for name in os.listdir(workdir):
+        if name.startswith(("result-", "writes-")):
+            os.remove(workdir / name)
+    _drop_backups_after(workdir, 9)
+    one_process(workdir)
+    resumed = results(workdir)
+    assert_same(resumed, results(run), TOLERANCE)
+
+
+def _drop_backups_after(workdir, step):
+    backup = os.path.join(workdir, "backup")
+    for name in os.listdir(backup):
+        number = name if BACKEND == "jax" else name[5:].split(".")[0]
+        if number.isdigit() and int(number) > step:
+            path = os.path.join(backup, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def test_a_killed_process_stops_the_launch_and_the_rerun_resumes(run, tmp_path):
+    start = time.monotonic()
+    failed = launch(tmp_path, "--die", "1:10", check=False)
+    elapsed = time.monotonic() - start
+    assert failed.returncode != 0
+    assert "process 1" in failed.stderr and "killed by SIGKILL" in failed.stderr, failed.stderr
+    # Start-up (~10-20 s), training to step 10, then at most the grace for the survivor.
+    assert elapsed < 120, elapsed
+    assert backup_steps(tmp_path)  # Something to resume from (steps 3, 6 or 9).
+    launch(tmp_path)
+    assert_same(results(tmp_path), results(run))
+
+
+def test_sigterm_saves_a_backup_then_the_rerun_resumes(run, tmp_path):
+    """A preemption: SIGTERM to the launcher reaches every process, which agree on one step,
+    save there, and exit with 143; the next launch resumes from that backup."""
+    process = subprocess.Popen(
+        _launch_command(tmp_path, "--stall-at", "10"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        markers = [tmp_path / f"at-10-{i}" for i in range(PROCESSES)]
+        while not all(m.exists() for m in markers):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the run never reached step 10"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, out[-3000:] + err[-3000:]
+    assert "SIGTERM (preemption) reached every process" in out, out[-3000:]
+    # Stopped early (no results), with a backup of where it stopped: after the SIGTERM at
+    # step 10 or later, past the last regular one before it (9).
+    assert not (tmp_path / "result-0.npz").exists()
+    assert backup_steps(tmp_path)[-1] >= 11, backup_steps(tmp_path)
+    launch(tmp_path)
+    assert_same(results(tmp_path), results(run))
