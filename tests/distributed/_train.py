@@ -13,6 +13,7 @@ Every file keras_accel writes itself (through `keras_accel.state.files`) is logg
 WORKDIR/writes-<process>.txt, so a test can see which process wrote what.
 
 --die P:S     process P SIGKILLs itself at the end of global step S.
+--loop custom the same training through `Accelerator.loop` (a custom loop), no callbacks.
 --stall-at S  every process writes WORKDIR/at-<S>-<process> at step S and then sleeps 0.3 s
               per step (a window for a test to send SIGTERM).
 """
@@ -29,6 +30,7 @@ parser.add_argument("workdir")
 parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--die", default=None)
 parser.add_argument("--stall-at", type=int, default=None)
+parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
 args = parser.parse_args()
 
 import keras_accel  # noqa: E402
@@ -89,25 +91,37 @@ with acc.scope():
 rng = np.random.default_rng(0)
 x = rng.normal(size=(100, 6)).astype("float32")
 y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
-history = History(os.path.join(args.workdir, "history.json"))
-backup = BackupAndRestore(
-    os.path.join(args.workdir, "backup"), save_freq=3, delete_checkpoint=False
-)
-acc.fit(
-    model,
-    x,
-    y,
-    batch_size=16,
-    epochs=3,
-    shuffle=True,
-    verbose=0,
-    callbacks=[history, backup, Events()],
-)
-evaluation = acc.evaluate(model, x, y, verbose=0)
-predictions = acc.predict(model, x, verbose=0)
+if args.loop == "fit":
+    history = History(os.path.join(args.workdir, "history.json"))
+    backup = BackupAndRestore(
+        os.path.join(args.workdir, "backup"), save_freq=3, delete_checkpoint=False
+    )
+    acc.fit(
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        shuffle=True,
+        verbose=0,
+        callbacks=[history, backup, Events()],
+    )
+    losses = history.history["loss"]
+    evaluation = acc.evaluate(model, x, y, verbose=0)
+    predictions = acc.predict(model, x, verbose=0)
+else:
+    loop = acc.loop(model)
+    losses = []
+    for epoch in range(3):
+        loop.reset_metrics()
+        for batch in loop.batches(x, y, batch_size=16, shuffle=True, epoch=epoch):
+            loop.train_step(batch)
+        losses.append(loop.results()["loss"])
+    evaluation = list(loop.evaluate(x, y, batch_size=16).values())
+    predictions = loop.predict(x, batch_size=16)
 np.savez(
     os.path.join(args.workdir, f"result-{me}.npz"),
-    loss=np.asarray(history.history["loss"]),
+    loss=np.asarray(losses),
     evaluation=np.asarray(evaluation),
     predictions=predictions,
     **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},

@@ -35,7 +35,7 @@ class Steps:
 
     def _put(self, structure):
         return jax.tree_util.tree_map(
-            lambda a: jax.device_put(np.asarray(a), self._sharding(np.shape(a))), structure
+            lambda a: _place(np.asarray(a), self._sharding(np.shape(a))), structure
         )
 
     def distributed(self, batches, training: bool):
@@ -64,10 +64,8 @@ class Steps:
         real = len(chunk)
         chunk = chunk + [chunk[-1]] * (n - real)
         stacked = jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *chunk)
-        placed = jax.tree_util.tree_map(
-            lambda a: jax.device_put(a, self._group_sharding(a.ndim)), stacked
-        )
-        return placed, jax.device_put(np.arange(n) < real, self._group_sharding(1))
+        placed = jax.tree_util.tree_map(lambda a: _place(a, self._group_sharding(a.ndim)), stacked)
+        return placed, _place(np.arange(n) < real, self._group_sharding(1))
 
     def _group_sharding(self, ndim: int):
         distribution = self.runtime.native
@@ -144,7 +142,10 @@ class Steps:
             body = {"train": self._train_fn, "test": self._test_fn, "predict": self._predict_fn}
             body = {k: _fused(fn) if group else fn for k, fn in body.items()}
             if kind == "predict":
-                function = jax.jit(body[kind])
+                # Several processes: every one gets all the rows (an all-gather in the
+                # program), which it reads as numpy.
+                replicated = self._replicated() if jax.process_count() > 1 else None
+                function = jax.jit(body[kind], out_shardings=replicated)
             else:
                 # The state comes back in the layout it went in (so the second step does not
                 # compile again), and replaces it: XLA may reuse its buffers.
@@ -155,15 +156,17 @@ class Steps:
             install_batchnorm(patches, loop.model, None)
             return function(self._state(kind), batch)
 
+    def _replicated(self):
+        mesh = self.runtime.native.device_mesh.backend_mesh
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
     def _place_state(self, kind: str) -> None:
         """Every state variable on this runtime's devices: metric and optimizer variables
         that Keras made on one device are replicated over the mesh like the weights."""
         distribution = self.runtime.native
         if distribution is None:
             return
-        replicated = jax.sharding.NamedSharding(
-            distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
-        )
+        replicated = self._replicated()
         model = self.loop.model
         groups = [model.trainable_variables, model.non_trainable_variables]
         groups += [self.loop.optimizer.variables, self._metric_variables()]
@@ -263,6 +266,14 @@ class Steps:
 
     def to_host(self, outputs):
         return jax.tree_util.tree_map(np.asarray, outputs)
+
+
+def _place(array: np.ndarray, sharding):
+    """A host array (the same on every process) laid out as `sharding`. Across processes
+    each one puts only the shards its own devices hold."""
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _fused(step):

@@ -74,6 +74,8 @@ class Steps:
             dataset = batches.pipeline(True, preprocess, scaled=False)
         if self.strategy is None:
             return dataset
+        if self.runtime.plan.strategy == "multi_worker":  # Each worker reads its rows.
+            return self.runtime._per_worker(dataset, batches.plan.static_rows)
         # Each global batch is cut into one contiguous slice per replica.
         return self.strategy.experimental_distribute_dataset(dataset)
 
@@ -101,6 +103,7 @@ class Steps:
 
     def _distributed(self, body):
         strategy = self.strategy
+        multi_worker = self.runtime.plan.strategy == "multi_worker"
 
         def step(batch):
             # Python here runs once per trace (and the body once per replica within it).
@@ -112,7 +115,10 @@ class Steps:
                 return None
             # Prediction: every replica's slice, in replica order, is the global batch. As
             # in Keras's own predict, the slices are concatenated from the local results (a
-            # copy), not all-gathered: no collective runs, on any replica.
+            # copy), not all-gathered: no collective runs, on any replica. Several workers
+            # each hold only their own replicas' rows: those are gathered, as Keras does.
+            if multi_worker:
+                return tf.nest.map_structure(lambda t: strategy.gather(t, axis=0), outputs)
             return tf.nest.map_structure(
                 lambda t: tf.concat(strategy.experimental_local_results(t), axis=0), outputs
             )
