@@ -216,3 +216,31 @@ def test_custom_loop_processes_agree_and_match_one_process(tmp_path):
     assert_same(first, reference, TOLERANCE)
     for key in ("loss", "evaluation", "predictions"):
         np.testing.assert_allclose(first[key], reference[key], atol=10 * TOLERANCE, err_msg=key)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="model_parallel meshes are JAX's")
+def test_model_parallel_mesh_across_processes(tmp_path):
+    """A 1 x 8 mesh over 2 processes: the model axis spans them (each holds half of every
+    kernel) and the batch is not split (each feeds every row); equal to one process."""
+    script = os.path.join(os.path.dirname(__file__), "_model_parallel.py")
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    command += ["--devices-per-process", "4", "--grace", str(GRACE_S), script, str(tmp_path)]
+    result = subprocess.run(
+        [*command, "1,8"], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = results(tmp_path, 0), results(tmp_path, 1)
+    assert "'model'" in str(first["spec"])  # The kernel's output axis is sharded.
+
+    from keras_accel import Accelerator
+    from tests.distributed import _model_parallel
+
+    model, losses, predictions = _model_parallel.build_and_train(
+        Accelerator(strategy="model_parallel", mesh_shape=(1, 8), seed=0)
+    )
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    np.testing.assert_allclose(first["loss"], losses, atol=TOLERANCE)
+    np.testing.assert_allclose(first["predictions"], predictions, atol=10 * TOLERANCE)
+    for i, variable in enumerate(model.weights):
+        np.testing.assert_allclose(first[f"w{i}"], np.asarray(variable.value), atol=TOLERANCE)

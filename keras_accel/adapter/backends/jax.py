@@ -99,7 +99,11 @@ class Runtime:
             layout_map = layout_map if layout_map is not None else default_layout_map(mesh)
             if layout_map.device_mesh is not mesh:
                 layout_map = _rebind(layout_map, mesh)
-            self.native = kd.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+            self.native = kd.ModelParallel(
+                layout_map=layout_map,
+                batch_dim_name="batch",
+                auto_shard_dataset=jax.process_count() == 1,
+            )
         else:
             # Several processes: each feeds its own rows of every global batch (`wrap`);
             # Keras's auto-sharding would want a tf.data.Dataset and shard it by files.
