@@ -2,7 +2,8 @@
 
 The public API is this short list and the subpackages `callbacks`, `data`, `models` and
 `schedules`;
-everything else is internal.
+everything else is internal. Names load on first use, so that a command which needs no
+backend (`keras-accel launch`, `--help`) starts without importing one.
 
 Example:
     >>> import keras_accel
@@ -11,21 +12,34 @@ Example:
     True
 """
 
-from keras_accel import callbacks, data, models, schedules
-from keras_accel.adapter import STRATEGIES, Accelerator
-from keras_accel.benchmark import find_batch_size
-from keras_accel.utils.devices import configure_virtual_cpu_devices
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "STRATEGIES",
-    "Accelerator",
-    "callbacks",
-    "configure_virtual_cpu_devices",
-    "data",
-    "find_batch_size",
-    "models",
-    "schedules",
-    "__version__",
-]
+# name -> the module that defines it (a subpackage is its own module).
+_PUBLIC = {
+    "STRATEGIES": "keras_accel.adapter",
+    "Accelerator": "keras_accel.adapter",
+    "callbacks": "keras_accel.callbacks",
+    "configure_virtual_cpu_devices": "keras_accel.utils.devices",
+    "data": "keras_accel.data",
+    "find_batch_size": "keras_accel.benchmark",
+    "models": "keras_accel.models",
+    "schedules": "keras_accel.schedules",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError(f"module 'keras_accel' has no attribute {name!r}")
+    module = importlib.import_module(where)
+    value = module if where == f"keras_accel.{name}" else getattr(module, name)
+    globals()[name] = value  # Loaded once.
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

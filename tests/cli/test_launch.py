@@ -1,0 +1,159 @@
+"""`keras-accel launch`: N processes, their output, and how a launch ends. Plain Python
+children here (no Keras): the multi-process training runs are in tests/distributed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from keras_accel.cli.launch import describe_exit, free_ports, process_env
+
+
+def _launch(tmp_path, body, *options, timeout=60, **popen):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(body))
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", *options, str(script)]
+    if popen:
+        return subprocess.Popen(command, text=True, **popen)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_each_process_gets_the_cluster_environment():
+    ports = [1111, 2222]
+    env = process_env(1, ports, devices_per_process=4)
+    assert env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == "127.0.0.1:1111"
+    assert env["KERAS_DISTRIBUTION_NUM_PROCESSES"] == "2"
+    assert env["KERAS_DISTRIBUTION_PROCESS_ID"] == "1"
+    assert json.loads(env["TF_CONFIG"]) == {
+        "cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert env["JAX_NUM_CPU_DEVICES"] == "4"
+    assert "JAX_NUM_CPU_DEVICES" not in process_env(0, ports, None)
+    assert len(set(free_ports(3))) == 3
+
+
+def test_output_is_prefixed_and_success_is_zero(tmp_path):
+    result = _launch(
+        tmp_path,
+        """
+        import os, sys
+        i = os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]
+        print(f"hello from {i} of {os.environ['KERAS_DISTRIBUTION_NUM_PROCESSES']}")
+        print("to stderr", file=sys.stderr)
+        """,
+        "-n",
+        "3",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for i in range(3):
+        assert f"[{i}] hello from {i} of 3" in lines
+        assert f"[{i}] to stderr" in lines
+
+
+def test_a_failure_stops_the_others_and_is_named(tmp_path):
+    started = time.monotonic()
+    result = _launch(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] == "1":
+            raise SystemExit(3)
+        time.sleep(60)
+        """,
+        "-n",
+        "2",
+        "--grace",
+        "5",
+    )
+    assert time.monotonic() - started < 30  # Not the survivor's 60 s.
+    assert result.returncode == 3
+    assert "process 1 (pid" in result.stderr and "failed: exit code 3" in result.stderr
+    assert "exit codes [-15, 3]" in result.stderr  # The survivor was stopped by SIGTERM.
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    started = time.monotonic()
+    result = _launch(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+        """,
+        "-n",
+        "2",
+        "--grace",
+        "1",
+    )
+    assert time.monotonic() - started < 30
+    assert result.returncode == 137  # 128 + SIGKILL, as a shell reports it.
+    assert "process 1 (pid" in result.stderr and "killed by SIGKILL" in result.stderr
+    assert "still running 1 s after SIGTERM" in result.stderr
+
+
+def test_sigterm_to_the_launcher_reaches_every_process(tmp_path):
+    ready = tmp_path / "ready"
+    process = _launch(
+        tmp_path,
+        f"""
+        import os, pathlib, signal, sys, time
+        def stop(signum, frame):
+            print("saving", flush=True)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        pathlib.Path({str(ready)!r} + os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]).touch()
+        time.sleep(60)
+        """,
+        "-n",
+        "2",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(f"{ready}{i}") for i in range(2)):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143
+    assert "[0] saving" in out and "[1] saving" in out
+    assert "preempted" in err and "every process saved and exited" in err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["-n", "0"], "-n/--num-processes must be at least 1. Received: 0"),
+        (["-n", "2", "--devices-per-process", "0"], "--devices-per-process must be at least 1"),
+        (["-n", "2", "--grace", "-1"], "--grace must be 0 or more seconds. Received: -1"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path, options, message):
+    result = _launch(tmp_path, "print('never')", *options)
+    assert result.returncode == 2
+    assert message in result.stderr and "never" not in result.stdout
+
+
+def test_a_missing_script_is_named():
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2", "nope.py"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "No such script: 'nope.py'" in result.stderr
+
+
+def test_exit_descriptions():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by SIGKILL"
