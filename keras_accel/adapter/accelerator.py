@@ -121,6 +121,8 @@ class Accelerator:
         connect = getattr(self._module, "connect", None)
         if connect is not None:
             connect(self._cluster)
+        if self._cluster is not None:
+            cluster.exit_on_uncaught_error()
         inventory = self._module.inventory(probe_tpu=strategy in ("auto", "tpu"))
         workers = None
         if self._backend == "tensorflow" and self._cluster is not None:

@@ -21,9 +21,11 @@ A runtime the user initialized already (`keras.distribution.initialize()` or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 
 SWITCH = "KERAS_ACCEL_DISTRIBUTED"
 KERAS_VARIABLES = (
@@ -178,3 +180,32 @@ def detect(backend: str) -> Cluster | None:
             )
         return found
     return None
+
+
+_exit_hook_installed = False
+
+
+def exit_on_uncaught_error() -> None:
+    """In a multi-process run, an error that ends the script ends the process at once.
+
+    Without this, Python's exit waits for every non-daemon thread, and a checkpoint writer
+    (Orbax's) stopped in the middle of its cross-process protocol waits for peers that have
+    moved on: the process never exits, its peers never learn, and the run hangs instead of
+    failing. Installed once, when the process joins a cluster: the traceback is printed as
+    usual, then the process exits with status 1, so that `keras-accel launch` (or the
+    cluster manager) sees the failure and stops the others.
+    """
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+    _exit_hook_installed = True

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 
 import keras
 
@@ -101,16 +104,25 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         # Every process decides (and updates `best`), so all agree; only the chief writes.
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
-        if not process.is_chief():
-            return
+        chief = process.is_chief()
+        # Every process saves: reading the state can be a collective (a TF variable synced
+        # on read; a variable that Keras lays out anew), which all processes must join. The
+        # others write a scratch copy, removed at once (TensorFlow's multi-worker recipe).
+        scratch = None if chief else tempfile.mkdtemp(prefix="keras-accel-")
+        target = filepath if chief else os.path.join(scratch, files.basename(filepath))
         try:
-            _saving.save(self.model, filepath, weights_only=self.save_weights_only)
+            _saving.save(self.model, target, weights_only=self.save_weights_only)
         except IsADirectoryError as e:
             # Keras's wording (it raises an IOError here too), then ours.
             raise IsADirectoryError(
                 "Please specify a non-directory filepath for ModelCheckpoint. Filepath used "
                 f"is an existing directory: {filepath}. {e}"
             ) from e
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if not chief:
+            return
         if self.verbose > 0:
             print_msg(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
         self._rotate(filepath)

@@ -197,6 +197,8 @@ class Launch:
         for pump in self._pumps:
             pump.join(timeout=5)
         codes = [process.returncode for process in self.processes]
+        if failed is None and self._stopping is None and any(codes):
+            failed = next((i, c) for i, c in enumerate(codes) if c)  # Ended in one poll.
         if failed is not None:
             index, code = failed
             self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")

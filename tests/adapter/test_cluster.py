@@ -162,3 +162,24 @@ def test_multi_worker_without_tf_config_is_refused(backend):
             Accelerator(strategy="multi_worker")
     else:  # JAX: every process's devices, the same as data_parallel in one process.
         assert Accelerator(strategy="multi_worker").strategy_name == "data_parallel"
+
+
+def test_an_uncaught_error_ends_a_cluster_process_at_once(tmp_path):
+    """A thread stuck in a cross-process protocol (a checkpoint writer waiting for peers)
+    would keep Python from exiting: in a cluster, the error ends the process anyway."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import threading\n"
+        "from keras_accel.adapter import cluster\n"
+        "cluster.exit_on_uncaught_error()\n"
+        "threading.Thread(target=threading.Event().wait).start()  # Never ends.\n"
+        "raise ValueError('the error')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "ValueError: the error" in result.stderr  # The traceback, as usual.

@@ -6,11 +6,13 @@ one-process reference). Usage:
 Trains a small seeded model (Dense, BatchNormalization; SGD with momentum) through
 `Accelerator.fit` on 100 rows in global batches of 16 (7 steps per epoch, the last padded,
 so the rows split unevenly over processes), 3 epochs, shuffled, with BackupAndRestore
-(save_freq=3 steps, backups kept) and History(path). At the end every process writes its
-final weights, loss history, evaluation and predictions to WORKDIR/result-<process>.npz.
+(save_freq=3 steps, backups kept), History(path) and ModelCheckpoint (weights per epoch).
+At the end every process writes its final weights, loss history, evaluation and
+predictions to WORKDIR/result-<process>.npz.
 
-Every file keras_accel writes itself (through `keras_accel.state.files`) is logged to
-WORKDIR/writes-<process>.txt, so a test can see which process wrote what.
+Every file keras_accel writes itself (through `keras_accel.state.files`, and model files
+through ModelCheckpoint's saver) is logged to WORKDIR/writes-<process>.txt, so a test can
+see which process wrote what.
 
 --die P:S     process P SIGKILLs itself at the end of global step S.
 --loop custom the same training through `Accelerator.loop` (a custom loop), no callbacks.
@@ -41,22 +43,28 @@ if args.devices is not None:
 import keras  # noqa: E402
 
 from keras_accel import Accelerator  # noqa: E402
-from keras_accel.callbacks import BackupAndRestore, History  # noqa: E402
+from keras_accel.callbacks import (  # noqa: E402
+    BackupAndRestore,
+    History,
+    ModelCheckpoint,
+    _saving,  # noqa: E402
+)
 from keras_accel.state import files  # noqa: E402
 
 # The Accelerator first: a multi-process run joins its cluster before anything computes.
 acc = Accelerator(seed=0, devices=args.devices)
 me = acc.process_index
 log = os.path.join(args.workdir, f"writes-{me}.txt")
-for name in ("write_atomic", "upload"):
-    original = getattr(files, name)
+for module, name in ((files, "write_atomic"), (files, "upload"), (_saving, "save")):
+    original = getattr(module, name)
 
-    def logged(path, *rest, _original=original, _name=name):
+    def logged(*call, _original=original, _name=name, **options):
+        path = call[1] if _name == "save" else call[0]  # save(model, path, ...)
         with open(log, "a") as f:
             f.write(f"{_name} {path}\n")
-        return _original(path, *rest)
+        return _original(*call, **options)
 
-    setattr(files, name, logged)
+    setattr(module, name, logged)
 
 
 class Events(keras.callbacks.Callback):
@@ -96,6 +104,9 @@ if args.loop == "fit":
     backup = BackupAndRestore(
         os.path.join(args.workdir, "backup"), save_freq=3, delete_checkpoint=False
     )
+    models = ModelCheckpoint(
+        os.path.join(args.workdir, "model-{epoch}.weights.h5"), save_weights_only=True
+    )
     acc.fit(
         model,
         x,
@@ -104,7 +115,7 @@ if args.loop == "fit":
         epochs=3,
         shuffle=True,
         verbose=0,
-        callbacks=[history, backup, Events()],
+        callbacks=[history, backup, Events(), models],
     )
     losses = history.history["loss"]
     evaluation = acc.evaluate(model, x, y, verbose=0)
