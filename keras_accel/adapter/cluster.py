@@ -64,7 +64,8 @@ def _int(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer. Received: {name}={raw!r}") from None
 
 
-def _switch() -> bool | None:
+def switch() -> bool | None:
+    """`KERAS_ACCEL_DISTRIBUTED`: False (0), True (1), or None (auto, the default)."""
     raw = os.environ.get(SWITCH, "").strip().lower()
     if raw in ("", "auto"):
         return None
@@ -160,19 +161,19 @@ def detect_tf_config() -> Cluster | None:
 
 def detect(backend: str) -> Cluster | None:
     """The multi-process environment this process runs in, or None for one process."""
-    switch = _switch()
-    if switch is False:
+    forced = switch()
+    if forced is False:
         return None
     if backend == "jax":
         found = detect_keras() or detect_jax_managed()
-        if found is None and switch:
+        if found is None and forced:
             found = Cluster(f"{SWITCH}=1")
         if found is not None and found.num_processes == 1:
             return None
         return found
     if backend == "tensorflow":
         found = detect_tf_config()
-        if found is None and switch:
+        if found is None and forced:
             raise ValueError(
                 f"{SWITCH}=1 with KERAS_BACKEND=tensorflow needs TF_CONFIG naming every "
                 "worker: TensorFlow's multi-worker strategies find the cluster there. "

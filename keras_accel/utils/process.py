@@ -11,8 +11,10 @@ import os
 
 
 def _tf_config_task() -> tuple[str, int, dict] | None:
+    from keras_accel.adapter import cluster
+
     raw = os.environ.get("TF_CONFIG")
-    if not raw:
+    if not raw or cluster.switch() is False:  # KERAS_ACCEL_DISTRIBUTED=0: one process.
         return None
     try:
         config = json.loads(raw)

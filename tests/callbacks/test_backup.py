@@ -5,6 +5,7 @@ import os
 import pathlib
 import random
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -13,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_accel.callbacks import BackupAndRestore, History
+from keras_accel.callbacks import BackupAndRestore, History, Preempted
 from keras_accel.callbacks._lock import LOCK_NAME
 from keras_accel.utils import process
 from tests.helpers import compiled_mlp, data, weights_of
@@ -56,6 +57,44 @@ def test_interrupted_fit_resumes_where_it_stopped(tmp_path):
     assert model.optimizer.iterations.numpy() == 4 * 2
     assert not os.path.exists(backup_dir), os.listdir(backup_dir)  # delete_checkpoint: all gone
     assert model._initial_epoch is None  # A later fit starts where it is told to.
+
+
+class Terminate(keras.callbacks.Callback):
+    """Sends this process a SIGTERM at the end of training batch `at` (counted over the
+    fit), as a cloud does before it takes the machine."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_a_backup_exits_143_and_the_next_fit_resumes_exactly(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    x, y = data(60)  # 2 batches of 32 an epoch
+    before = signal.getsignal(signal.SIGTERM)
+    model = _fresh()
+    backup = BackupAndRestore(backup_dir, save_freq=False)  # Saves only when preempted.
+    with pytest.raises(Preempted, match="SIGTERM .* saved .* resumes from it") as stopped:
+        model.fit(x, y, epochs=3, verbose=0, shuffle=False, callbacks=[Terminate(3), backup])
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # Python's handler is back.
+    assert [int(_step(p)) for p in backup.checkpoints()] == [3]  # Where it stopped.
+    assert model.optimizer.iterations.numpy() == 3
+
+    resumed = _fresh(seed=7)
+    # shuffle=False: a plain model.fit draws each epoch's order from the global RNG at the
+    # epoch's start, which a mid-epoch backup cannot give back (Accelerator.fit can).
+    resumed.fit(x, y, epochs=3, verbose=0, shuffle=False, callbacks=[BackupAndRestore(backup_dir)])
+    straight = _fresh()
+    straight.fit(x, y, epochs=3, verbose=0, shuffle=False)
+    assert resumed.optimizer.iterations.numpy() == 6
+    for a, b in zip(weights_of(resumed), weights_of(straight), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _step(path):
@@ -406,7 +445,7 @@ def test_lock_of_another_host_is_stale_after_the_timeout(tmp_path):
 def test_non_chief_processes_write_only_their_share_of_the_state(tmp_path, monkeypatch):
     """A whole fit as process 1 of 2: every callback restores/records; the logs and files
     are the chief's, the backup's arrays go to the engine from every process (each writes
-    what it holds), but no lock and no deletion."""
+    what it holds, or, on TensorFlow, a scratch copy), but no lock and no deletion."""
     from keras_accel.callbacks import ModelCheckpoint
 
     monkeypatch.setattr(process, "process_index", lambda: 1)
@@ -419,7 +458,12 @@ def test_non_chief_processes_write_only_their_share_of_the_state(tmp_path, monke
     x, y = data(40)
     history = compiled_mlp().fit(x, y, epochs=2, verbose=0, callbacks=callbacks)
     assert history.epoch == [0, 1]
-    assert os.listdir(tmp_path) == ["backup"]
+    if keras.backend.backend() == "tensorflow":
+        # tf.train: every worker saves (reading a variable synced on read is a collective),
+        # the others into a scratch directory of their own, removed again.
+        assert os.listdir(tmp_path) == []
+        return
+    assert os.listdir(tmp_path) == ["backup"]  # Orbax: every process writes its shards.
     assert LOCK_NAME not in os.listdir(backup_dir)
 
 
