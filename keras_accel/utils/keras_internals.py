@@ -56,7 +56,11 @@ REQUIRED_TENSORFLOW: list[tuple[str, str, str]] = [
         "_maybe_symbolic_build",
         "building a model from a batch of strings",
     ),
-    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica", "fused steps on TF"),
+    (
+        "keras.src.backend.tensorflow.trainer",
+        "reduce_per_replica",
+        "fused steps on TF; multi-worker logs",
+    ),
 ]
 
 

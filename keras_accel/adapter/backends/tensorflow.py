@@ -158,23 +158,41 @@ def _all_reduce_sum(tensors):
 def _reduce_logs(values, strategy, reduction):
     """Keras's `reduce_per_replica`, except for the logs of a multi-worker step.
 
-    There Keras 3's reduces every log with `strategy.reduce("MEAN", v, axis=0)`, which fails
+    There Keras 3 reduces every log with `strategy.reduce("MEAN", v, axis=0)`, which fails
     for the scalar logs every step returns ("Invalid reduction dimension (0 for input with 0
-    dimension(s)", the second half of keras-team/keras#20585). keras_accel's logs are already
-    global in every replica (`install_global_results`): the first local replica's value is
-    the exact one, as on one device.
+    dimension(s))", the second half of keras-team/keras#20585). Here they are averaged over
+    every replica, as Keras means to ("mean"), in one batched all-reduce: the compiled
+    metrics' results are already global in every replica (`install_global_results`), so
+    their mean is that value; a custom step's own local logs get the mean over all workers,
+    as MirroredStrategy gives them over its replicas.
     """
-    if reduction in ("auto", "mean", "first") and isinstance(
+    if reduction not in ("auto", "mean") or not isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ):
+        return _KERAS_REDUCE(values, strategy, reduction)
+    leaves = tf.nest.flatten(values)
+    picked = [
+        i
+        for i, v in enumerate(leaves)
+        if isinstance(v, tf.distribute.DistributedValues)
+        and strategy.experimental_local_results(v)[0].dtype.is_floating
+    ]
+    if picked:
 
-        def first(v):
-            if isinstance(v, tf.distribute.DistributedValues):
-                return strategy.experimental_local_results(v)[0]
-            return v
+        def mean(*local):
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(local))
 
-        return tf.nest.map_structure(first, values)
-    return _KERAS_REDUCE(values, strategy, reduction)
+        reduced = strategy.run(mean, args=tuple(leaves[i] for i in picked))
+        for i, v in zip(picked, reduced):
+            leaves[i] = strategy.experimental_local_results(v)[0]
+    leaves = [
+        strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v
+        for v in leaves
+    ]
+    return tf.nest.pack_sequence_as(values, leaves)
 
 
 # Keras's, read before any call patches the module's name with `_reduce_logs`.
