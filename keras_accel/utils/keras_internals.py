@@ -24,6 +24,7 @@ REQUIRED: list[tuple[str, str, str]] = [
     ("keras.src.utils.rng_utils", "GLOBAL_RANDOM_SEED", "seeding"),
     ("keras.src.random.seed_generator", "GLOBAL_SEED_GENERATOR", "seeding"),
     ("keras.src.trainers.trainer:Trainer", "_symbolic_build", "building a model from a batch"),
+    ("keras.src.backend", "IS_THREAD_SAFE", "synchronous callbacks across JAX processes"),
     ("keras.layers:Layer", "_flatten_layers", "finding BatchNormalization layers"),
     ("keras.layers:BatchNormalization", "_moments", "BatchNormalization over real rows"),
     ("keras.src.trainers.compile_utils:CompileMetrics", "build", "masking compiled metrics"),
@@ -189,6 +190,12 @@ def reduce_per_replica():
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     return reduce_per_replica
+
+
+def backend_module():
+    """`keras.src.backend`, whose `IS_THREAD_SAFE` decides whether Keras runs batch-end
+    callbacks in a thread pool."""
+    return importlib.import_module("keras.src.backend")
 
 
 def tf_trainer_module():

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_accel import Accelerator
+from keras_accel.utils import keras_internals
 
 
 def build_and_train(acc):
@@ -29,8 +30,27 @@ def build_and_train(acc):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, 6)).astype("float32")
     y = rng.normal(size=(100, 8)).astype("float32")
-    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
+    seen = ThreadSafety()
+    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=[seen])
+    BUILT["threads_in_fit"] = seen.values
     return model, history.history["loss"], acc.predict(model, x, verbose=0)
+
+
+BUILT: dict = {}
+
+
+class ThreadSafety(keras.callbacks.Callback):
+    """What Keras reads to decide whether batch-end callbacks may run in a thread pool
+    (no batch hook here: that alone would make Keras run them in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        from keras_accel.utils import keras_internals
+
+        self.values.append(keras_internals.backend_module().IS_THREAD_SAFE)
 
 
 if __name__ == "__main__":
@@ -47,5 +67,7 @@ if __name__ == "__main__":
         loss=np.asarray(losses),
         predictions=predictions,
         spec=np.asarray(str(model.weights[0].value.sharding.spec)),
+        threads_in_fit=np.asarray(BUILT["threads_in_fit"]),
+        threads_after=np.asarray(keras_internals.backend_module().IS_THREAD_SAFE),
         **{f"w{i}": w for i, w in enumerate(gathered)},
     )

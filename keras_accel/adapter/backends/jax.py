@@ -153,6 +153,11 @@ class Runtime:
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.native is not None and jax.process_count() > 1:
             _install_replicated_predictions(patches, model, self.native)
+            # Keras runs batch-end callbacks in a thread pool where no callback needs them
+            # in order; their reads of the logs, beside the main thread's next dispatches,
+            # deadlocked two processes' collectives (reproduced: the quickstart under
+            # `keras-accel launch`, in its second epoch, both times). One thread, as on TF.
+            patches.set(keras_internals.backend_module(), "IS_THREAD_SAFE", False)
         if first_batch is None:
             return
         # Keras builds a model symbolically from the first batch it reads; ours carries the
