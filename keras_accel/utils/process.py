@@ -6,22 +6,13 @@ keras_accel asks `is_chief()` here, so one rule decides for the whole package.
 
 from __future__ import annotations
 
-import json
-import os
 
-
-def _tf_config_task() -> tuple[str, int, dict] | None:
+def _tf_cluster():
+    """The TF_CONFIG cluster this process belongs to (`keras_accel.adapter.cluster`, the one
+    reader of TF_CONFIG), or None: one process, also under KERAS_ACCEL_DISTRIBUTED=0."""
     from keras_accel.adapter import cluster
 
-    raw = os.environ.get("TF_CONFIG")
-    if not raw or cluster.switch() is False:  # KERAS_ACCEL_DISTRIBUTED=0: one process.
-        return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON. Received: TF_CONFIG={raw!r}") from e
-    task = config.get("task") or {}
-    return str(task.get("type", "worker")), int(task.get("index", 0)), config.get("cluster", {})
+    return None if cluster.switch() is False else cluster.detect_tf_config()
 
 
 def _backend() -> str:
@@ -36,27 +27,19 @@ def num_processes() -> int:
         import jax
 
         return jax.process_count()
-    task = _tf_config_task()
-    if task is None:
-        return 1
-    _, _, cluster = task
-    return sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) or 1
+    found = _tf_cluster()
+    return 1 if found is None else found.num_processes
 
 
 def process_index() -> int:
-    """Index of this process among `num_processes()`; 0 is the chief."""
+    """Index of this process among `num_processes()`; 0 is the chief (workers come after
+    a chief that TF_CONFIG names)."""
     if _backend() == "jax":
         import jax
 
         return jax.process_index()
-    task = _tf_config_task()
-    if task is None:
-        return 0
-    kind, index, cluster = task
-    if kind == "chief":
-        return 0
-    # Workers come after the chief when the cluster names one.
-    return index + (1 if cluster.get("chief") else 0)
+    found = _tf_cluster()
+    return 0 if found is None else found.process_id
 
 
 def is_chief() -> bool:

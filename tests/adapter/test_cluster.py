@@ -143,7 +143,10 @@ def test_the_switch_overrides_detection(clean):
 
 def test_joining_after_jax_computed_says_what_to_do(clean, backend):
     if backend != "jax":
-        pytest.skip("JAX's distributed runtime")
+        pytest.skip(
+            "the join-before-computing rule is JAX's; on TF the strategy would try to "
+            "reach a real cluster from this process"
+        )
     import jax.numpy as jnp
 
     from keras_accel import Accelerator

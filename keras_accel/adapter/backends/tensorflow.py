@@ -379,9 +379,9 @@ class Runtime:
             return StaticBatchDataset(batches, carry_mask=carry_mask)
         if self.plan.strategy != "multi_worker":
             return pipeline
-        return self._per_worker(pipeline, batches.plan.static_rows)
+        return self.per_worker(pipeline, batches.plan.static_rows)
 
-    def _per_worker(self, pipeline, static_rows: int):
+    def per_worker(self, pipeline, static_rows: int):
         """Each worker reads its own rows of every global batch (the same batches on every
         worker: same order, same padding), split over its local replicas: what a plain
         `experimental_distribute_dataset` would do with auto-sharding by data, except that

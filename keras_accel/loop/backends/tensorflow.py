@@ -75,7 +75,7 @@ class Steps:
         if self.strategy is None:
             return dataset
         if self.runtime.plan.strategy == "multi_worker":  # Each worker reads its rows.
-            return self.runtime._per_worker(dataset, batches.plan.static_rows)
+            return self.runtime.per_worker(dataset, batches.plan.static_rows)
         # Each global batch is cut into one contiguous slice per replica.
         return self.strategy.experimental_distribute_dataset(dataset)
 
