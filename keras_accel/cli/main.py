@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -34,9 +35,67 @@ def backend_source() -> str:
     return "Keras's default; set KERAS_BACKEND to choose"
 
 
+# Keras backend -> the pip package that provides it.
+BACKEND_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow", "torch": "torch"}
+
+
+def configured_backend() -> tuple[str, str]:
+    """The backend Keras will load and where it comes from, read as Keras reads it but without
+    importing Keras (for the message when that import fails): the KERAS_BACKEND variable, else
+    the "backend" key of keras.json in KERAS_HOME (or ~/.keras), else "tensorflow"."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"], "from the KERAS_BACKEND environment variable"
+    home = os.environ.get("KERAS_HOME")
+    if home is None:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+    config = os.path.expanduser(os.path.join(home, "keras.json"))
+    try:
+        with open(config) as f:
+            chosen = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        chosen = None
+    if chosen:
+        return chosen, f"from {config}"
+    return "tensorflow", "Keras's default"
+
+
+def import_keras():
+    """`import keras`, or a one-line RuntimeError naming the package the chosen backend needs
+    and what would work instead (Keras imports its backend's package as it loads)."""
+    try:
+        import keras
+    except ImportError as e:
+        backend, source = configured_backend()
+        missing = (getattr(e, "name", None) or "").split(".")[0]
+        installed = [
+            name
+            for name, package in BACKEND_PACKAGES.items()
+            if name != backend and importlib.util.find_spec(package) is not None
+        ]
+        instead = (
+            f", or set KERAS_BACKEND to an installed backend ({', '.join(installed)})"
+            if installed
+            else ""
+        )
+        if missing and missing == BACKEND_PACKAGES.get(backend):
+            raise RuntimeError(
+                f"the Keras backend {backend!r} ({source}) needs {missing}, which is not "
+                f"installed: `pip install {missing}`{instead}."
+            ) from None
+        if missing:
+            what = f"no module named {missing!r}: `pip install {missing}`"
+        else:
+            what = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(
+            f"Keras cannot be imported with the backend {backend!r} ({source}): {what}{instead}."
+        ) from None
+    return keras
+
+
 def env_report(devices: int | None = None) -> str:
     """What `keras-accel env` prints: backend, versions, devices, and what `auto` picks."""
-    import keras
+    keras = import_keras()
 
     from keras_accel import Accelerator
 

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from keras_accel.cli.main import env_report, main
 
 
@@ -66,3 +68,29 @@ def test_env_says_where_the_backend_came_from(tmp_path, backend):
         tmp_path, backend, keras_json=f'{{"backend": "{other}"}}', set_backend=True
     )
     assert line == f"KERAS_BACKEND: {backend} (from the KERAS_BACKEND environment variable)"
+
+
+def _installed(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.skipif(_installed("torch"), reason="torch is installed here: nothing is missing")
+def test_a_backend_whose_package_is_missing_is_one_line_not_a_traceback(tmp_path, backend):
+    env = dict(os.environ, KERAS_BACKEND="torch", KERAS_HOME=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_accel.cli.main", "env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("keras-accel env: error: the Keras backend 'torch' (from the ")
+    assert "needs torch, which is not installed: `pip install torch`" in lines[0]
+    installed = lines[0].split("or set KERAS_BACKEND to an installed backend (")[1]
+    assert backend in installed.split(")")[0].split(", ")
