@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="split each process's CPU into K devices (JAX; a TF worker uses one CPU device)",
+        help="split each process's CPU into K devices (JAX only: ignored, with a note, on "
+        "TensorFlow, whose workers use one CPU device each)",
     )
     parser.add_argument(
         "--port",
@@ -213,6 +214,31 @@ class Launch:
         return 0
 
 
+def devices_per_process_note(devices_per_process: int | None, num_processes: int) -> str | None:
+    """Why `--devices-per-process` does nothing under the launcher's backend, or None where it
+    applies (JAX). It sets `JAX_NUM_CPU_DEVICES`, which only JAX reads; a TensorFlow worker
+    under MultiWorkerMirroredStrategy computes on one CPU device, whatever the split."""
+    if devices_per_process is None:
+        return None
+    from keras_accel.cli.main import configured_backend
+
+    backend, source = configured_backend()
+    if backend == "jax":
+        return None
+    if backend == "tensorflow":
+        why = (
+            "a TensorFlow worker (MultiWorkerMirroredStrategy) computes on one CPU device (or "
+            f"every local GPU), so on CPU this launch has {num_processes} replica(s), one per "
+            "process"
+        )
+    else:
+        why = f"the {backend} backend does not distribute"
+    return (
+        f"note: --devices-per-process {devices_per_process} is ignored on the {backend} backend "
+        f"({source}): it sets JAX_NUM_CPU_DEVICES, which only JAX reads, and {why}."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise ValueError(f"-n/--num-processes must be at least 1. Received: {args.num_processes}")
@@ -230,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     launch = Launch(
         command, n, ports, devices_per_process=args.devices_per_process, grace=args.grace
     )
+    note = devices_per_process_note(args.devices_per_process, n)
+    if note:
+        launch.say(note)
 
     def forward(signum, frame):
         launch.say(f"{signal.Signals(signum).name}: passing SIGTERM to every process.")

@@ -14,13 +14,13 @@ import pytest
 from keras_accel.cli.launch import describe_exit, free_ports, process_env
 
 
-def _launch(tmp_path, body, *options, timeout=60, **popen):
+def _launch(tmp_path, body, *options, timeout=60, env=None, **popen):
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(body))
     command = [sys.executable, "-m", "keras_accel.cli.main", "launch", *options, str(script)]
     if popen:
-        return subprocess.Popen(command, text=True, **popen)
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(command, text=True, env=env, **popen)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_each_process_gets_the_cluster_environment():
@@ -131,6 +131,23 @@ def test_sigterm_to_the_launcher_reaches_every_process(tmp_path):
     assert process.returncode == 143
     assert "[0] saving" in out and "[1] saving" in out
     assert "preempted" in err and "every process saved and exited" in err
+
+
+@pytest.mark.parametrize("backend_name", ["tensorflow", "jax"])
+def test_devices_per_process_on_tensorflow_is_a_note_not_silence(tmp_path, backend_name):
+    env = dict(os.environ, KERAS_BACKEND=backend_name)
+    result = _launch(tmp_path, "print('ran')", "-n", "2", "--devices-per-process", "4", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "[0] ran" in result.stdout and "[1] ran" in result.stdout
+    notes = [line for line in result.stderr.splitlines() if "--devices-per-process" in line]
+    if backend_name == "jax":
+        assert notes == []  # It applies: JAX splits each process's CPU into 4 devices.
+        return
+    assert len(notes) == 1, result.stderr
+    assert notes[0].startswith("keras-accel launch: note: --devices-per-process 4 is ignored ")
+    assert "on the tensorflow backend (from the KERAS_BACKEND environment variable)" in notes[0]
+    assert "only JAX reads" in notes[0] and "one CPU device" in notes[0]
+    assert "2 replica(s), one per process" in notes[0]
 
 
 @pytest.mark.parametrize(
