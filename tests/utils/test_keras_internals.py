@@ -1,37 +1,139 @@
-"""The Keras internals keras_accel relies on: all present in this Keras, and a missing one is
-an error that names it and the Keras version, never a silent no-op."""
+"""The Keras internals keras_accel relies on: all present in this Keras, found by what they are
+(not by a class path Keras may rename), and a missing one is an error that names it and the
+Keras version, never a silent no-op."""
+
+import importlib
+import inspect
+import sys
 
 import keras
 import pytest
 
 from keras_accel.utils import keras_internals
 
+ON_TF = keras.backend.backend() == "tensorflow"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_check():
+    """`check()` is cached per process: each test sees (and leaves) a fresh one."""
+    keras_internals.check.cache_clear()
+    yield
+    keras_internals.check.cache_clear()
+
+
+def _listed() -> list:
+    return [*keras_internals.REQUIRED, *(keras_internals.REQUIRED_TENSORFLOW if ON_TF else [])]
+
 
 def test_every_listed_internal_exists_in_the_installed_keras():
-    keras_internals.check.cache_clear()
     keras_internals.check()
 
 
-def test_a_missing_internal_names_itself_and_the_keras_version(monkeypatch):
-    monkeypatch.setattr(
-        keras_internals,
-        "REQUIRED",
-        [*keras_internals.REQUIRED, ("keras.layers:Dense", "_renamed_in_keras_9", "testing")],
+@pytest.mark.parametrize("internal", _listed(), ids=lambda i: f"{i.where}.{i.name}")
+def test_each_listed_internal_resolves(internal):
+    assert hasattr(internal.find(), internal.name)
+
+
+def _without(monkeypatch, module: str, *names: str) -> None:
+    target = importlib.import_module(module)
+    for name in names:
+        monkeypatch.delattr(target, name, raising=False)
+
+
+def test_a_renamed_trainer_class_still_resolves(monkeypatch):
+    """Keras 3.16 renamed `keras.src.trainers.trainer.Trainer` to `BaseTrainer` (and the TF
+    backend's `TensorFlowTrainer` to `Trainer`): the internals are found through
+    `keras.Model`'s MRO, so no class name matters."""
+    _without(monkeypatch, "keras.src.trainers.trainer", "Trainer", "BaseTrainer")
+    backend = keras.backend.backend()
+    _without(
+        monkeypatch,
+        f"keras.src.backend.{backend}.trainer",
+        "Trainer",
+        "TensorFlowTrainer",
+        "JAXTrainer",
     )
-    keras_internals.check.cache_clear()
-    try:
-        with pytest.raises(keras_internals.KerasInternalsError) as caught:
-            keras_internals.check()
-    finally:
-        keras_internals.check.cache_clear()
-    message = str(caught.value)
-    assert "`keras.layers:Dense._renamed_in_keras_9` (testing)" in message
+    keras_internals.check.__wrapped__()
+    keras_internals.check()
+
+
+@pytest.mark.skipif(not ON_TF, reason="the TensorFlow backend's classes")
+def test_tf_classes_are_found_through_public_classes(monkeypatch):
+    trainer = next(c for c in keras.Model.__mro__ if "make_train_function" in vars(c))
+    optimizer = next(
+        c for c in keras.optimizers.Optimizer.__mro__ if "_all_reduce_sum_gradients" in vars(c)
+    )
+    _without(monkeypatch, "keras.src.backend.tensorflow.optimizer", "TFOptimizer")
+    _without(monkeypatch, "keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "Trainer")
+    keras_internals.check()
+    assert keras_internals.tf_optimizer_class() is optimizer
+    assert issubclass(keras.optimizers.Adam, keras_internals.tf_optimizer_class())
+    assert keras_internals.tf_trainer_module() is sys.modules[trainer.__module__]
+    # What the TF step functions call is what keras_accel patches.
+    make_train_function = inspect.unwrap(trainer.make_train_function)
+    assert make_train_function.__globals__ is vars(keras_internals.tf_trainer_module())
+    assert callable(keras_internals.reduce_per_replica())
+
+
+def test_what_is_used_is_what_was_checked():
+    """The accessors return what `check()` resolved, found the same way."""
+    assert keras_internals.backend_module() is importlib.import_module("keras.src.backend")
+    config = sys.modules[keras.config.backend.__module__]
+    assert keras_internals.keras_home() == config.keras_home()
+    keras_internals.set_global_seed(1234)
+    rng_utils = sys.modules[keras.utils.set_random_seed.__module__]
+    global_state = sys.modules[keras.utils.clear_session.__module__]
+    assert global_state.get_global_attribute(rng_utils.GLOBAL_RANDOM_SEED) == 1234
+    assert keras_internals.global_seed_generator() is None
+
+
+def _raises_with(monkeypatch, internal) -> str:
+    monkeypatch.setattr(keras_internals, "REQUIRED", [*keras_internals.REQUIRED, internal])
+    with pytest.raises(keras_internals.KerasInternalsError) as caught:
+        keras_internals.check()
+    return str(caught.value)
+
+
+def test_a_missing_internal_names_itself_and_the_keras_version(monkeypatch):
+    message = _raises_with(
+        monkeypatch,
+        keras_internals.Internal(
+            "keras.layers.Dense", "_renamed_in_keras_9", "testing", lambda: keras.layers.Dense
+        ),
+    )
+    assert "`_renamed_in_keras_9` of keras.layers.Dense (testing)" in message
     assert f"Keras {keras.__version__} does not have" in message
+    assert f"tested with Keras {keras_internals.TESTED_KERAS}" in message
     assert "pip install -c constraints.txt" in message
+
+
+def test_a_missing_holder_is_the_same_error(monkeypatch):
+    """The class or module that held an internal is gone (not only the attribute)."""
+
+    def gone():
+        return importlib.import_module("keras.src.no_such_module_in_keras_9")
+
+    message = _raises_with(
+        monkeypatch, keras_internals.Internal("a removed module", "anything", "testing", gone)
+    )
+    assert "`anything` of a removed module (testing)" in message
+    assert f"Keras {keras.__version__} does not have" in message
+
+
+def test_check_runs_once_and_is_cheap_to_call_again(monkeypatch):
+    calls = []
+    internal = keras_internals.Internal(
+        "keras.Model", "fit", "testing", lambda: calls.append(1) or keras.Model
+    )
+    monkeypatch.setattr(keras_internals, "REQUIRED", [*keras_internals.REQUIRED, internal])
+    for _ in range(3):
+        keras_internals.check()
+    assert calls == [1]
 
 
 def test_require_on_an_instance():
     layer = keras.layers.BatchNormalization()
     assert keras_internals.require(layer, "_moments", "why") == layer._moments
-    with pytest.raises(keras_internals.KerasInternalsError, match="BatchNormalization._gone"):
+    with pytest.raises(keras_internals.KerasInternalsError, match="`_gone` of BatchNormalization"):
         keras_internals.require(layer, "_gone", "why")
