@@ -3,11 +3,14 @@ by variable path, saved asynchronously and rotated, resumed exactly."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import os
+import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -30,6 +33,42 @@ KERAS_METADATA = "training_metadata.json"
 KERAS_FILES = (KERAS_WEIGHTS, KERAS_METADATA, f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")
 # The engine each backup_dir of this process was opened with.
 _OPEN: dict[str, object] = {}
+_AT_EXIT = False
+
+
+def _finish_saves_at_exit() -> None:
+    """At interpreter exit, every background save of this process reaches the disk.
+
+    A `fit` that an exception ends (a crash, a KeyboardInterrupt) skips `on_train_end`, the
+    callback's wait, and the interpreter then exits with the last backup still being written.
+    tf.train's asynchronous save joins its thread at exit; Orbax's is stopped half-way (its
+    writer needs thread pools that Python shuts down first), and the next run would silently
+    start from the backup before, or from scratch. A killed process still loses the save in
+    flight; the next run then says so (`_warn_interrupted`).
+    """
+    for directory, engine in list(_OPEN.items()):
+        try:
+            engine.wait()
+        except Exception as error:  # Exiting anyway: say what was lost.
+            print(
+                f"BackupAndRestore: the last backup to {directory!r} could not be completed "
+                f"at exit: {type(error).__name__}: {error}",
+                file=sys.stderr,
+            )
+
+
+def _wait_at_exit() -> None:
+    global _AT_EXIT
+    if _AT_EXIT or process.num_processes() > 1:
+        # Across processes a save ends with a barrier of all of them: a process leaving on
+        # an error must not wait for peers (adapter/cluster.py ends it at once).
+        return
+    _AT_EXIT = True
+    # Before threading's own exit hooks, which shut down concurrent.futures' pools (Orbax
+    # writes through them); registered later, it runs earlier. atexit runs too late.
+    register = getattr(threading, "_register_atexit", None)
+    with contextlib.suppress(RuntimeError):  # Raised when already shutting down.
+        (register or atexit.register)(_finish_saves_at_exit)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -357,6 +396,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self.backup_dir, self.max_to_keep, asynchronous=self.save_on_background
             )
             _OPEN[self.backup_dir] = self._engine
+            _wait_at_exit()
         return self._engine
 
     def _close(self) -> None:
@@ -491,6 +531,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         engine = self._open()
         engine.wait()
         steps = engine.steps()
+        self._warn_interrupted(engine, steps)
         self._check_layout(listed, steps)
         if keras_files:
             if steps:
@@ -532,6 +573,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "start training from scratch."
             )
         return False
+
+    def _warn_interrupted(self, engine, steps: list[int]) -> None:
+        """A save that never committed is no backup, but a run never drops one silently."""
+        interrupted, engine.interrupted = list(getattr(engine, "interrupted", [])), []
+        if not interrupted:
+            return
+        which = ", ".join(str(step) for step in interrupted)
+        warnings.warn(
+            f"BackupAndRestore: the backup of step {which} in {self.backup_dir!r} was still "
+            "being written when its process ended (killed, or gone before the save finished), "
+            f"so {self._engine_module.NAME} never committed it; its partial files are removed. "
+            + (
+                f"Resuming from the complete backups (steps {steps}), newest first."
+                if steps
+                else "There is no complete backup: training starts from the beginning."
+            ),
+            stacklevel=3,
+        )
 
     @staticmethod
     def _skip(path: str, error: Exception) -> None:

@@ -22,6 +22,8 @@ An engine opened on a directory answers:
   values into the given variables; `manifest` is what the checkpoint holds),
   `delete(step)`, `delete_all()`, `close()`;
 - `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);
+- `interrupted`: the numbers of saves found uncommitted when it opened (a process killed
+  while writing them), whose leftovers it removes; never listed by `steps()`;
 - `directory`, `name`, and `supports(path)` for the paths it can write.
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 
@@ -19,6 +20,8 @@ from keras_accel.state import files
 
 NAME = "orbax"
 STATE, META = "state", "meta"
+# Orbax writes step N into `N.orbax-checkpoint-tmp...` and renames it when committed.
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
 def supports(path: str) -> bool:
@@ -31,11 +34,21 @@ def _key(key: str) -> str:
     return key.replace("/", "|")
 
 
+def _interrupted(directory: str) -> list[int]:
+    try:
+        names = files.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted({int(m.group(1)) for m in map(_TMP.match, names) if m})
+
+
 class Engine:
     name = NAME
 
     def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
         self.directory = files.local_path(directory)
+        # Saves a kill interrupted, found before the manager removes their leftovers.
+        self.interrupted = _interrupted(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=asynchronous,

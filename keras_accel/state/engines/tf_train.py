@@ -40,6 +40,7 @@ class _Meta(tf.train.experimental.PythonState):
 
 
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
+_TEMP = re.compile(rf"^{PREFIX}-(\d+)_temp")
 
 
 def supports(path: str) -> bool:
@@ -66,8 +67,13 @@ class Engine:
         self.directory = files.local_path(directory)
         # A save that a kill interrupted leaves `ckpt-N_temp`: never listed as a checkpoint
         # (the state file names complete ones only), removed when a run starts here.
+        self.interrupted = []  # Those saves' numbers, as Orbax's engine reports them.
         for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*_temp")):
+            match = _TEMP.match(os.path.basename(path))
+            if match:
+                self.interrupted.append(int(match.group(1)))
             _remove(path)
+        self.interrupted.sort()
         self.max_to_keep = max_to_keep
         # Under a multi-worker strategy every worker saves (reading a variable that is synced
         # on read is a collective), but only the chief into `directory`: the others write a
