@@ -213,9 +213,24 @@ def fused_function(model, kind: str, n: int):
     step = getattr(model, f"{kind}_step")
     strategy = model.distribute_strategy
     reduce = _reduce_logs
+    # The per-replica shapes of the first call site's batch. The loop body's batch comes
+    # out of `get_next_as_optional` with its batch dimension unknown; a step that reads a
+    # static size there (Keras's per-output loss trackers weight each batch's loss by
+    # `y_pred.shape[0]`, and count it once when that is None) would then see another batch
+    # than the first call site, so it is given the same static shapes.
+    shapes: list = []
+
+    def replica_step(data):
+        leaves = tf.nest.flatten(data)
+        if not shapes:
+            shapes.extend(getattr(leaf, "shape", None) for leaf in leaves)
+        else:
+            leaves = [_with_shape(leaf, shape) for leaf, shape in zip(leaves, shapes)]
+            data = tf.nest.pack_sequence_as(data, leaves)
+        return step(data)
 
     def one(data):
-        outputs = strategy.run(step, args=(data,))
+        outputs = strategy.run(replica_step, args=(data,))
         return reduce(outputs, strategy, reduction="auto")
 
     if model.jit_compile:  # As Keras compiles one step: with XLA where the model asks.
@@ -223,6 +238,7 @@ def fused_function(model, kind: str, n: int):
 
     @tf.function
     def steps(iterator):
+        shapes.clear()  # Each trace records its own first batch.
         outputs = one(next(iterator))
 
         def more(i, optional, outputs):
@@ -240,6 +256,14 @@ def fused_function(model, kind: str, n: int):
         return tf.while_loop(more, body, first)[2]
 
     return steps
+
+
+def _with_shape(leaf, shape):
+    if not isinstance(leaf, tf.Tensor) or shape is None or not leaf.shape.is_compatible_with(shape):
+        return leaf
+    leaf = tf.identity(leaf)
+    leaf.set_shape(shape)
+    return leaf
 
 
 class _MirroredStrategy(tf.distribute.MirroredStrategy):
@@ -351,6 +375,8 @@ class Runtime:
         if self.num_replicas > 1:
             if training:
                 _check_optimizers_built(model)
+                for optimizer in _optimizers(model):
+                    check_gradient_accumulation(optimizer, self.num_replicas)
             install_global_batch_losses(patches)
             install_global_results(patches, model, _global_result)
 
@@ -399,6 +425,36 @@ class Runtime:
         distributed = self.native.distribute_datasets_from_function(lambda context: mine)
         distributed.keras_accel_local = mine  # What the model is built from (`_first_batch`).
         return distributed
+
+
+def _optimizers(model) -> list:
+    """`model.optimizer` and the optimizers a custom step keeps on the model (a GAN's)."""
+    found = [getattr(model, "optimizer", None)]
+    found += [v for v in vars(model).values() if isinstance(v, keras.optimizers.Optimizer)]
+    unique = {id(o): o for o in found if o is not None}
+    return list(unique.values())
+
+
+def check_gradient_accumulation(optimizer, num_replicas: int) -> None:
+    """Refuse Keras's gradient accumulation with several replicas on TensorFlow, before the
+    first step, with what works instead.
+
+    Keras's TF optimizer accumulates inside an `ops.cond` whose update branch merges the
+    replicas (`merge_call`); TensorFlow refuses a merge_call inside a cond of a replicated
+    step ("merge_call called while defining a new graph"), with raw MirroredStrategy too.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if num_replicas > 1 and steps:
+        raise NotImplementedError(
+            "Keras's gradient accumulation does not run under tf.distribute with more than "
+            "one replica: its optimizer merges the replicas inside a cond, which TensorFlow "
+            "refuses in a replicated step (raw MirroredStrategy fails the same way). "
+            f"Received: {type(inner).__name__}(gradient_accumulation_steps={steps}) with "
+            f"{num_replicas} replicas. Use KERAS_BACKEND=jax (accumulation works across "
+            "replicas there), Accelerator(devices=1), or a global batch "
+            f"{steps} times larger instead of accumulating."
+        )
 
 
 def _check_optimizers_built(model) -> None:

@@ -21,17 +21,9 @@ class Steps:
         self.loop = loop
         self.runtime = loop.accelerator._runtime
         self.strategy = self.runtime.native
-        inner = getattr(loop.optimizer, "inner_optimizer", loop.optimizer)
-        if self.runtime.num_replicas > 1 and inner.gradient_accumulation_steps:
-            # Keras's TF optimizer accumulates inside a cond around a cross-replica update,
-            # which TensorFlow refuses in a replicated step; raw MirroredStrategy fails too.
-            raise NotImplementedError(
-                "Keras's gradient accumulation does not run under tf.distribute with more "
-                "than one replica (its optimizer merges replicas inside a cond, which "
-                "TensorFlow does not support). Received: gradient_accumulation_steps="
-                f"{inner.gradient_accumulation_steps} with {self.runtime.num_replicas} "
-                "replicas. Use KERAS_BACKEND=jax, one device, or a larger global batch."
-            )
+        from keras_accel.adapter.backends.tensorflow import check_gradient_accumulation
+
+        check_gradient_accumulation(loop.optimizer, self.runtime.num_replicas)
         self.traces: collections.Counter = collections.Counter()
         self._compiled: dict[str, object] = {}
         self._pipeline = None
