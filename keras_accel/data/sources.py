@@ -218,6 +218,21 @@ class ArrayBatches:
         )
 
 
+def sample_batch(batches) -> tuple[Any, Any, Any, Any]:
+    """The first padded batch of `batches` as numpy: `(x, y, sample_weight, row_mask)`.
+
+    For what has to be known of the data before a step is compiled (which accuracy a
+    compiled "accuracy" means; whether a user's loss returns one value per row)."""
+    if hasattr(batches, "batch"):
+        return batches.batch(0)
+    import keras
+
+    from keras_accel.data.batching import unpack
+
+    element = next(iter(batches.pipeline(carry_mask=True).take(1)))
+    return unpack(keras.tree.map_structure(np.asarray, element))
+
+
 def standardize_element(item: Any) -> tuple[Any, Any, Any]:
     """`(x, y, sample_weight)` from what a data set yields: x, (x,), (x, y) or (x, y, w)."""
     if isinstance(item, dict) or not isinstance(item, (tuple, list)):

@@ -175,8 +175,16 @@ class CustomLoop:
                 self.optimizer.build(model.trainable_variables)
             self.loss = _loss(model, loss)
             self.loss_tracker = keras.metrics.Mean(name="loss")
-            self.metrics = [_metric(m) for m in (metrics or [])]
-            self.weighted_metrics = [_metric(m) for m in (weighted_metrics or [])]
+            # Metrics named as `compile` names them ("accuracy") are resolved from the first
+            # batch's targets and the model's outputs, as Keras resolves them (`batches()`).
+            self._unresolved: list[tuple[str, bool]] = []
+            if metrics is None and weighted_metrics is None:
+                metrics, weighted_metrics = _compiled_metrics(model)
+                self.metrics = self._from_compile(metrics, weighted=False)
+                self.weighted_metrics = self._from_compile(weighted_metrics, weighted=True)
+            else:
+                self.metrics = [_metric(m) for m in (metrics or [])]
+                self.weighted_metrics = [_metric(m) for m in (weighted_metrics or [])]
         backend = keras.backend.backend()
         if backend not in ("jax", "tensorflow"):
             raise NotImplementedError(
@@ -232,13 +240,43 @@ class CustomLoop:
                 "train_step needs targets: pass y (or a data set that yields (x, y)). "
                 "Received: y=None."
             )
+        if self._unresolved and batches.has_targets:
+            self._resolve(batches)
         return LoopBatches(self, batches, training, epoch, n)
+
+    def _from_compile(self, metrics: list, weighted: bool) -> list:
+        """Fresh metrics for the ones the model was compiled with: the loop's own state,
+        never the state `fit` reports."""
+        out = []
+        for metric in metrics:
+            if isinstance(metric, str) and metric.lower() in _BY_TARGETS:
+                self._unresolved.append((metric, weighted))
+            elif isinstance(metric, keras.metrics.Metric):
+                out.append(type(metric).from_config(metric.get_config()))
+            else:
+                out.append(_metric_from_identifier(metric))
+        return out
+
+    def _resolve(self, batches) -> None:
+        from keras_accel.data.sources import sample_batch
+
+        x, y, _, _ = sample_batch(batches)
+        try:
+            y_pred = _output_spec(self.model, x)
+        except Exception:  # Raw inputs a preprocessor turns into the model's (keras-hub).
+            y_pred = None
+        with self.accelerator.scope():
+            for name, weighted in self._unresolved:
+                metric = _accuracy(name, y, y_pred, self.loss)
+                (self.weighted_metrics if weighted else self.metrics).append(metric)
+        self._unresolved = []
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch) -> None:
         """One optimizer step on one of `batches()`' batches (or one per batch of a
         `StepGroup`, in one compiled call). Returns nothing, so that no step waits for the
         device; read `results()` when numbers are wanted."""
+        self._check_resolved()
         with self.accelerator.scope():
             if isinstance(batch, StepGroup):
                 self._backend.train_group(batch)
@@ -249,6 +287,7 @@ class CustomLoop:
     def test_step(self, batch) -> None:
         """Update the loss tracker and metrics on one batch (or a `StepGroup`), without
         training."""
+        self._check_resolved()
         with self.accelerator.scope():
             if isinstance(batch, StepGroup):
                 self._backend.test_group(batch)
@@ -281,6 +320,17 @@ class CustomLoop:
     # ------------------------------------------------------------------ results
     def all_metrics(self) -> list:
         return [self.loss_tracker, *self.metrics, *self.weighted_metrics]
+
+    def _check_resolved(self) -> None:
+        if self._unresolved:
+            names = ", ".join(repr(name) for name, _ in self._unresolved)
+            raise ValueError(
+                f"The model was compiled with {names}, which Keras resolves from the targets "
+                "(sparse, one-hot or binary accuracy), and this loop has seen no targets yet. "
+                "Run a step on a batch of loop.batches(x, y, ...) first, or pass "
+                "metrics=[keras.metrics.SparseCategoricalAccuracy('accuracy')] (or the one "
+                "that fits your labels) to acc.loop."
+            )
 
     def results(self) -> dict[str, float]:
         """The loss and every metric since the last `reset_metrics()`, as Python floats,
@@ -431,6 +481,76 @@ def _loss(model, loss):
             f"Received: {loss!r} of type {type(loss).__name__}"
         )
     return loss
+
+
+_BY_TARGETS = ("accuracy", "acc")
+
+
+def _compiled_metrics(model) -> tuple[list, list]:
+    """The `metrics=` and `weighted_metrics=` the model was compiled with, as flat lists."""
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None:
+        return [], []
+    from keras_accel.utils import keras_internals
+
+    found = []
+    for name in ("_user_metrics", "_user_weighted_metrics"):
+        given = keras_internals.require(compiled, name, "the metrics a model was compiled with")
+        if given is None:
+            given = []
+        if isinstance(given, dict) or any(isinstance(m, (list, tuple, dict)) for m in given):
+            raise ValueError(
+                "acc.loop applies each metric to the model's whole output, but the model was "
+                f"compiled with metrics per output: {given!r}. Pass metrics=[...] (and "
+                "weighted_metrics=[...]) to acc.loop for the output the loop's loss reads."
+            )
+        found.append(list(given))
+    return found[0], found[1]
+
+
+def _metric_from_identifier(identifier):
+    # As Keras's `compile` turns a name or a function into a metric.
+    metric = keras.metrics.get(identifier)
+    if not isinstance(metric, keras.metrics.Metric):
+        name = identifier if isinstance(identifier, str) else getattr(metric, "__name__", None)
+        metric = keras.metrics.MeanMetricWrapper(metric, name=name)
+    return metric
+
+
+def _accuracy(name: str, y_true, y_pred, loss):
+    # Keras's rule (compile_utils.is_binary_or_sparse_categorical) for "accuracy"; where the
+    # outputs cannot be described without running the model, the loss says which labels.
+    if y_pred is None:
+        losses = keras.losses
+        by_loss = {
+            losses.SparseCategoricalCrossentropy: keras.metrics.SparseCategoricalAccuracy,
+            losses.BinaryCrossentropy: keras.metrics.BinaryAccuracy,
+            losses.CategoricalCrossentropy: keras.metrics.CategoricalAccuracy,
+        }
+        for kind, metric in by_loss.items():
+            if isinstance(loss, kind):
+                return metric(name=name)
+        raise ValueError(
+            f"The model was compiled with {name!r}, which Keras resolves from the shapes of "
+            "the targets and the outputs, and the outputs of this model could not be worked "
+            f"out from its inputs. Pass metrics=[...] to acc.loop. Received: loss={loss!r}."
+        )
+    y_true, y_pred = keras.tree.flatten(y_true)[0], keras.tree.flatten(y_pred)[0]
+    true_shape, pred_shape = tuple(np.shape(y_true)), tuple(y_pred.shape)
+    if pred_shape[-1] == 1:
+        return keras.metrics.BinaryAccuracy(name=name)
+    if len(true_shape) < len(pred_shape) or (true_shape[-1] == 1 and pred_shape[-1] > 1):
+        return keras.metrics.SparseCategoricalAccuracy(name=name)
+    return keras.metrics.CategoricalAccuracy(name=name)
+
+
+def _output_spec(model, x):
+    """The model's output for a batch like `x`, symbolically (shapes and dtypes only)."""
+    specs = keras.tree.map_structure(
+        lambda a: keras.KerasTensor(np.shape(a), "string" if a.dtype.kind in "OUS" else a.dtype),
+        x,
+    )
+    return model.compute_output_spec(specs)
 
 
 def _metric(metric):
