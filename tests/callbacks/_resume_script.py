@@ -1,6 +1,6 @@
 """One training run for the kill-and-resume test, in its own process.
 
-Usage: python _resume_script.py WORKDIR RUN_NAME [KILL_AT]
+Usage: python _resume_script.py WORKDIR RUN_NAME [KILL_AT] [OPTION=VALUE ...]
 
 Trains a small seeded model (Dense, BatchNormalization, Dropout; SGD with momentum) through
 `Accelerator.fit` on 8 virtual CPU devices with BackupAndRestore (save_freq in steps),
@@ -8,6 +8,17 @@ History(path, per_step=True) and a step-mode LearningRateScheduler. With KILL_AT
 process SIGKILLs itself at the end of batch B of epoch E (after the callbacks ran, so a
 backup of the batches before may exist). At the end it writes the final weights to
 WORKDIR/RUN_NAME.weights.npz.
+
+Options:
+- `named=enc,bn,drop,head`: the same layers as a functional model of named layers, created
+  in the order given (always wired enc -> bn -> relu -> drop -> head); the weights file is
+  then keyed by variable path ("/" written as "|");
+- `save_freq=epoch` (or a number of batches; default 3);
+- `raise_after=E`: a RuntimeError out of `on_epoch_end` of epoch E, after BackupAndRestore
+  handed that epoch's backup to the engine: the exception ends `fit` (Keras then skips
+  `on_train_end`) and the process, uncaught.
+
+Every run appends the epochs it begins to WORKDIR/RUN_NAME.epochs, one line per process.
 """
 
 import os
@@ -50,21 +61,70 @@ class KillAt(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RaiseAfter(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError(f"Crash after epoch {epoch}")
+
+
+class RecordEpochs(keras.callbacks.Callback):
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.begun = path, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begun.append(epoch)
+        with open(self.path, "a") as f:
+            f.write(("" if len(self.begun) == 1 else " ") + str(epoch))
+
+    def on_train_begin(self, logs=None):
+        with open(self.path, "a") as f:
+            f.write("\n")
+
+
+def _layers(order):
+    make = {
+        "enc": lambda: keras.layers.Dense(
+            16, name="enc", kernel_initializer=keras.initializers.GlorotUniform(0)
+        ),
+        "bn": lambda: keras.layers.BatchNormalization(name="bn"),
+        "drop": lambda: keras.layers.Dropout(0.3, seed=1, name="drop"),
+        "head": lambda: keras.layers.Dense(
+            3, name="head", kernel_initializer=keras.initializers.GlorotUniform(1)
+        ),
+    }
+    return {name: make[name]() for name in order}
+
+
 def main():
     workdir, name = sys.argv[1], sys.argv[2]
-    kill_at = sys.argv[3] if len(sys.argv) > 3 else None
+    extra = sys.argv[3:]
+    kill_at = next((arg for arg in extra if "=" not in arg), None)
+    options = dict(arg.split("=", 1) for arg in extra if "=" in arg)
+    save_freq = options.get("save_freq", str(SAVE_FREQ))
+    save_freq = save_freq if save_freq == "epoch" else int(save_freq)
     acc = Accelerator(seed=0)
     with acc.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(16, kernel_initializer=keras.initializers.GlorotUniform(0)),
-                keras.layers.BatchNormalization(),
-                keras.layers.ReLU(),
-                keras.layers.Dropout(0.3, seed=1),
-                keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(1)),
-            ]
-        )
+        if "named" in options:
+            layers = _layers(options["named"].split(","))
+            inputs = keras.Input((6,))
+            hidden = keras.layers.ReLU(name="relu")(layers["bn"](layers["enc"](inputs)))
+            model = keras.Model(inputs, layers["head"](layers["drop"](hidden)))
+        else:
+            model = keras.Sequential(
+                [
+                    keras.Input((6,)),
+                    keras.layers.Dense(16, kernel_initializer=keras.initializers.GlorotUniform(0)),
+                    keras.layers.BatchNormalization(),
+                    keras.layers.ReLU(),
+                    keras.layers.Dropout(0.3, seed=1),
+                    keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(1)),
+                ]
+            )
         model.compile(
             keras.optimizers.SGD(0.1, momentum=0.9),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -79,17 +139,24 @@ def main():
             update_freq="step",
         ),
         History(path=os.path.join(workdir, f"{name}.history.json"), per_step=True),
-        BackupAndRestore(os.path.join(workdir, f"{name}.backup"), save_freq=SAVE_FREQ),
+        BackupAndRestore(os.path.join(workdir, f"{name}.backup"), save_freq=save_freq),
+        RecordEpochs(os.path.join(workdir, f"{name}.epochs")),
     ]
     if kill_at:
         epoch, batch = (int(part) for part in kill_at.split(":"))
         callbacks.append(KillAt(epoch, batch))
+    if "raise_after" in options:
+        callbacks.append(RaiseAfter(int(options["raise_after"])))
     acc.fit(
         model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=callbacks
     )
+    if "named" in options:
+        weights = {v.path.replace("/", "|"): np.asarray(v.numpy()) for v in model.variables}
+    else:
+        weights = {f"arr_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(
         os.path.join(workdir, f"{name}.weights.npz"),
-        *[np.asarray(w) for w in model.get_weights()],
+        **weights,
         iterations=np.asarray(model.optimizer.iterations.numpy()),
     )
 

@@ -199,6 +199,45 @@ def test_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path):
     final.on_train_end()
 
 
+def _interrupted_save(folder, step):
+    """What a process killed while its engine wrote backup `step` leaves: Orbax's temporary
+    step directory, or tf.train's `ckpt-<step>_temp`."""
+    name = (
+        f"{step}.orbax-checkpoint-tmp" if keras.backend.backend() == "jax" else f"ckpt-{step}_temp"
+    )
+    (folder / name).mkdir()
+    (folder / name / "partial").write_bytes(b"half written")
+
+
+def test_an_interrupted_save_is_named_when_the_next_run_starts(tmp_path):
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    model = _fresh()
+    _start(backup, model)
+    backup.save(1, 0)  # Step 3 (3 steps an epoch): complete.
+    backup.on_train_end()
+    saved = weights_of(model)
+    _interrupted_save(tmp_path, 6)
+    resumed = _fresh(seed=7)
+    with pytest.warns(
+        UserWarning,
+        match=r"the backup of step 6 .* never committed it; its partial files are removed\. "
+        r"Resuming from the complete backups \(steps \[3\]\)",
+    ):
+        _start(BackupAndRestore(str(tmp_path)), resumed)
+    assert _same(weights_of(resumed), saved) and resumed._initial_epoch == 1
+    assert not [name for name in os.listdir(tmp_path) if "tmp" in name or "temp" in name]
+
+
+def test_an_interrupted_first_save_is_no_silent_fresh_start(tmp_path):
+    _interrupted_save(tmp_path, 3)
+    model = _fresh()
+    initial = weights_of(model)
+    with pytest.warns(UserWarning, match=r"step 3 .* no complete backup: training starts from"):
+        _start(BackupAndRestore(str(tmp_path)), model)
+    assert _same(weights_of(model), initial) and not model._initial_epoch
+    assert not [name for name in os.listdir(tmp_path) if "tmp" in name or "temp" in name]
+
+
 def test_nothing_usable_is_an_error_and_nothing_is_deleted(tmp_path):
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
     _start(backup, _fresh())
