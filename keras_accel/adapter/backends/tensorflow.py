@@ -324,6 +324,7 @@ class Runtime:
 
     @contextlib.contextmanager
     def scope(self):
+        _check_not_nested(self.native)
         if self.native is None:
             with tf.device(_tf_name(self.plan.devices[0])):
                 yield
@@ -333,6 +334,7 @@ class Runtime:
 
     def model_misplaced(self, model) -> str | None:
         """Why `model` would not run under this runtime's strategy, or None."""
+        _check_not_nested(self.native)  # Else the advice below leads back into the scope.
         strategy = keras_internals.distribute_strategy_of(model)
         if strategy is self.native:
             return None
@@ -425,6 +427,25 @@ class Runtime:
         distributed = self.native.distribute_datasets_from_function(lambda context: mine)
         distributed.keras_accel_local = mine  # What the model is built from (`_first_batch`).
         return distributed
+
+
+def _check_not_nested(ours) -> None:
+    """TensorFlow cannot enter one strategy's scope inside another's ("Mixing different
+    tf.distribute.Strategy objects"): say so in our words, with what works."""
+    if not tf.distribute.has_strategy():
+        return
+    current = tf.distribute.get_strategy()
+    if current is ours:
+        return
+    raise RuntimeError(
+        f"acc.scope() (which acc.fit, evaluate and predict enter) was entered inside the "
+        f"scope of another {type(current).__name__} "
+        "(the user's own tf.distribute strategy), and TensorFlow cannot nest two strategies' "
+        "scopes. Leave that scope first: build, compile and train the model in "
+        "`with acc.scope():` alone, or use the other strategy without the Accelerator. Both "
+        "can be used one after the other in one process; a model belongs to the strategy "
+        "it was built under."
+    )
 
 
 def _optimizers(model) -> list:
