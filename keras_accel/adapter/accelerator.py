@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 from keras_accel.adapter import backends, cluster, fusion
+from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
@@ -340,6 +341,8 @@ class Accelerator:
             )
         custom = not builtin and not batches.weighted
         blind = not batches.has_targets or custom
+        if not blind and batches.plan.pads and builtin:
+            return self._exact_training(model, batches, make)
         if not blind or not batches.plan.pads:
             return batches
         plan = batches.plan
@@ -374,6 +377,36 @@ class Accelerator:
                 else "; and pass y, or remainder='drop'."
             )
         )
+
+    def _exact_training(self, model, batches, make):
+        """Padded training batches, unless a loss or metric of the user's cannot weight the
+        padding rows out (`keras_accel.adapter.exactness`): then the last partial batch is
+        dropped with a note, where dropping it removes all padding, or the fit is refused."""
+        found = inexact_under_padding(model, sources.sample_batch(batches))
+        if not found:
+            return batches
+        plan = batches.plan
+        if self.remainder is None and plan.static_rows == plan.batch_size:
+            dropped = make("drop")
+            rows = plan.num_samples - dropped.plan.rows_seen
+            warnings.warn(
+                f"keras_accel: {'; '.join(found)}, so padding rows would change it: the last "
+                f"partial batch ({rows} of {plan.num_samples} rows, a new draw every epoch "
+                "when shuffling) is dropped (remainder='drop'), so that every batch is "
+                "exact. Honour sample_weight (or return one loss per row) to keep it.",
+                stacklevel=4,
+            )
+            return dropped
+        raise ValueError(_inexact_message(found, plan, self.num_replicas, "training"))
+
+    def _check_exact(self, model, batches, name: str) -> None:
+        """Evaluation must see every row: a loss or metric that padding would make inexact
+        is refused, naming it (see `keras_accel.adapter.exactness`)."""
+        if not batches.plan.pads or not batches.has_targets or overrides(model, "test"):
+            return
+        found = inexact_under_padding(model, sources.sample_batch(batches))
+        if found:
+            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{name}`"))
 
     def _contract(self, batches) -> StepContract:
         plan = batches.plan
@@ -492,6 +525,7 @@ class Accelerator:
             vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
             val = self._batches(vx, vy, vbatch, False, vsw, None, False, None)
             _check_evaluation(val, "validation_data")
+            self._check_exact(model, val, "validation_data")
         preprocess = _preprocessor(model)
         train_data = self._runtime.wrap(train, True, preprocess)
         contracts = {"train": self._contract(train)}
@@ -542,6 +576,7 @@ class Accelerator:
         batch_size = self._default_batch_size(model, x, batch_size)
         batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None)
         _check_evaluation(batches, "x")
+        self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
         n = self._fuse(model, "test", steps or len(batches), callbacks, verbose)
@@ -661,6 +696,16 @@ def _standardize_inputs(model, x):
         if single and hasattr(x[0], "shape"):
             return x[0]
     return x
+
+
+def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> str:
+    return (
+        f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.num_samples} "
+        f"rows in batches of {plan.batch_size} over {num_replicas} replicas), so the result "
+        "would count padding rows, where plain Keras is exact. Make the loss return one "
+        "value per row and the metric honour sample_weight, or use a batch_size that is a "
+        f"multiple of {num_replicas} and divides the number of rows, so that nothing is padded."
+    )
 
 
 def _check_evaluation(batches, name: str) -> None:

@@ -1,0 +1,176 @@
+"""Which of a model's compiled losses and metrics padding rows would make inexact.
+
+A padded batch is exact because every loss and metric honours `sample_weight`: padding rows
+weigh 0. Keras's own losses and metrics do. Two kinds of user code cannot:
+
+- a loss function that returns one value for the whole batch (`ops.mean(...)`): the mean
+  already includes the padding rows, and a weight per row cannot take them out again;
+- a metric that ignores `sample_weight` (a hand-written `Metric` whose `update_state`
+  drops it, or a metric function returning one value per batch): it counts padding rows.
+
+Plain Keras is exact on the same data (it never pads), so the Accelerator finds these
+before the first step, by running them once on a few real rows of the first batch (a loss's
+rank; a metric with some rows weighted 0 against the same metric on the other rows alone),
+and then drops the last partial batch or refuses, naming them (see `Accelerator.fit`). Only
+user code is probed: a model compiled with Keras's losses and metrics costs nothing here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_accel.utils import keras_internals
+
+_PROBE_ROWS = 16
+
+
+def inexact_under_padding(model, sample) -> list[str]:
+    """The compiled losses and metrics of `model` that padding rows would reach, each as a
+    short description ("loss 'my_loss' returns one value per batch").
+
+    Args:
+        sample: a padded batch `(x, y, sample_weight, row_mask)` of numpy arrays.
+    """
+    losses = [(path, fn) for path, fn in _leaves(getattr(model, "loss", None)) if _user(fn)]
+    metrics = []
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is not None:
+        for name in ("_user_metrics", "_user_weighted_metrics"):
+            given = keras_internals.require(compiled, name, "the compiled metrics")
+            metrics += [(path, m) for path, m in _leaves(given) if _user(m)]
+    if not losses and not metrics:
+        return []
+    x, y, _, mask = sample
+    if y is None:
+        return []
+    real = np.flatnonzero(np.asarray(mask) > 0) if mask is not None else None
+    rows = real[:_PROBE_ROWS] if real is not None else slice(0, _PROBE_ROWS)
+    take = lambda a: np.asarray(a)[rows]  # noqa: E731
+    x, y = keras.tree.map_structure(take, x), keras.tree.map_structure(take, y)
+    if len(keras.tree.flatten(y)[0]) < 2:
+        return []
+    try:
+        y_pred = model(x, training=False)
+    except Exception:  # Inputs only a preprocessor understands (keras-hub's raw strings).
+        return []
+    found = []
+    for path, loss in losses:
+        pair = _pair(path, y, y_pred)
+        if pair is not None and _returns_scalar(loss, *pair):
+            found.append(f"loss {_name(loss)!r} returns one value per batch")
+    for path, metric in metrics:
+        pair = _pair(path, y, y_pred)
+        if pair is not None and _ignores_weights(metric, *pair):
+            found.append(f"metric {_name(metric)!r} counts rows whose sample_weight is 0")
+    return found
+
+
+def _leaves(structure):
+    """(path, leaf) for a compile argument: one object, a list, or a dict by output."""
+    if structure is None:
+        return []
+    if isinstance(structure, dict):
+        return [((key, *p), leaf) for key, v in structure.items() for p, leaf in _leaves(v)]
+    if isinstance(structure, (list, tuple)):
+        out = []
+        for i, v in enumerate(structure):
+            for p, leaf in _leaves(v):
+                # A flat list of metrics applies to the (single) output; nested, per output.
+                out.append(((i, *p), leaf) if isinstance(v, (list, tuple, dict)) else (p, leaf))
+        return out
+    return [((), structure)]
+
+
+def _user(obj) -> bool:
+    """Code that is not Keras's own (whose losses and metrics all honour sample_weight)."""
+    if obj is None or isinstance(obj, str):
+        return False
+    inner = getattr(obj, "fn", None) or getattr(obj, "_fn", None)  # Keras's wrappers
+    if isinstance(obj, (keras.losses.Loss, keras.metrics.Metric)) and _is_keras(type(obj)):
+        return inner is not None and not _is_keras(inner)
+    return not _is_keras(obj)
+
+
+def _is_keras(obj) -> bool:
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return module.split(".")[0] == "keras"
+
+
+def _pair(path, y, y_pred):
+    try:
+        for key in path:
+            y, y_pred = y[key], y_pred[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if isinstance(y, (dict, list, tuple)) or isinstance(y_pred, (dict, list, tuple)):
+        return None
+    return y, y_pred
+
+
+def _returns_scalar(loss, y_true, y_pred) -> bool:
+    if isinstance(loss, keras.losses.Loss):
+        inner = getattr(loss, "fn", None)
+        kwargs = getattr(loss, "_fn_kwargs", None) or {}
+        values = inner(y_true, y_pred, **kwargs) if inner is not None else loss.call(y_true, y_pred)
+    else:
+        values = loss(y_true, y_pred)
+    return len(ops.shape(values)) == 0
+
+
+def _ignores_weights(metric, y_true, y_pred) -> bool:
+    if not isinstance(metric, keras.metrics.Metric):
+        values = metric(y_true, y_pred)  # A function: Keras averages what it returns.
+        return len(ops.shape(values)) == 0
+    # The real rows alone, against the real rows and rows weighted 0 after them: rows with
+    # shifted labels, then rows with shifted predictions (either may happen to score like
+    # the real ones; both rarely).
+    alone = _result(metric, y_true, y_pred, None)
+    if alone is None:
+        return False  # Nothing to probe it with.
+    rows = len(y_true)
+    weights = np.concatenate([np.ones(rows, "float32"), np.zeros(rows, "float32")])
+    y_true_np, y_pred_np = np.asarray(y_true), ops.convert_to_numpy(y_pred)
+    for junk_true, junk_pred in (
+        (np.roll(y_true_np, 1, axis=0), y_pred_np),
+        (y_true_np, np.roll(y_pred_np, 1, axis=0)),
+    ):
+        padded = _result(
+            metric,
+            np.concatenate([y_true_np, junk_true]),
+            np.concatenate([y_pred_np, junk_pred]),
+            weights,
+        )
+        if padded is not None and not all(
+            np.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(padded, alone)
+        ):
+            return True
+    return False
+
+
+def _result(metric, y_true, y_pred, sample_weight):
+    fresh = _fresh(metric)
+    if fresh is None:
+        return None
+    fresh.update_state(y_true, y_pred, sample_weight=sample_weight)
+    return [ops.convert_to_numpy(v) for v in keras.tree.flatten(fresh.result())]
+
+
+def _fresh(metric):
+    """A copy of `metric` with its own state, made outside any strategy scope."""
+    try:
+        fresh = type(metric).from_config(metric.get_config())
+    except Exception:
+        try:
+            fresh = copy.deepcopy(metric)
+        except Exception:
+            return None
+    fresh.reset_state()
+    return fresh
+
+
+def _name(obj) -> str:
+    return getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
