@@ -556,7 +556,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 unusable.append(path)
                 continue
             self._check_steps(meta, path)
-            state = self._state()
+            state = self._keyed_as(self._state(), meta["manifest"])
             chosen = tree.to_restore(state, meta["manifest"], repr(path), self.partial_restore)
             try:
                 engine.restore(step, chosen, meta["manifest"])
@@ -606,6 +606,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             model.optimizer.build(model.trainable_variables)  # Its variables are restored too.
         return tree.variables(model)
 
+    def _keyed_as(self, state: dict, saved: dict) -> dict:
+        """`state` under the keys of a backup's manifest (older backups keyed seed states
+        by Keras's creation-ordered names; `tree.readable`)."""
+        return tree.readable(state, tree.variables(self.model, legacy=True), saved)
+
     def _check_layout(self, listed: set[str], steps: list[int]) -> None:
         """A directory of another format is refused with what it is, never ignored."""
         if steps:
@@ -650,7 +655,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         run.restores += 1
         if batch:
             run.replay_epoch, run.replay_batch = epoch, batch
-            self._replay = {"values": tree.snapshot(restored), "rng": meta["rng"]}
+            self._replay = {
+                "values": tree.snapshot(restored),
+                "rng": meta["rng"],
+                "manifest": meta["manifest"],
+            }
         self._steps_done = self._last_saved = int(meta["steps_done"])
         self._last_batch, self._batch_epoch = batch - 1, epoch
         self._current_epoch, self._last_batch_seen = epoch, max(batch - 1, 0)
@@ -661,7 +670,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The re-run batches reached the backup's position: assign its state again."""
         replay, self._replay = self._replay, None
         model = self.model  # On JAX, pulls the training state onto the variables first.
-        tree.assign(tree.variables(model), replay["values"])
+        tree.assign(self._keyed_as(tree.variables(model), replay["manifest"]), replay["values"])
         tree.set_rng_state(replay["rng"])
         # `replay_epoch` stays set until the epoch ends: callbacks after this one in the
         # list must still see this batch as a replayed one.

@@ -25,7 +25,10 @@ GROUPS = ("model", "optimizer", "metrics", "seed")
 STRICT = ("model", "optimizer")
 
 
-def variables(model) -> dict[str, keras.Variable]:
+GLOBAL_SEED = "seed/global/seed_generator_state"
+
+
+def variables(model, legacy: bool = False) -> dict[str, keras.Variable]:
     """`{"<group>/<path>": variable}` for every variable that defines where training is.
 
     - model: weights, BatchNormalization statistics, and the states of the layers'
@@ -34,6 +37,14 @@ def variables(model) -> dict[str, keras.Variable]:
     - metrics: running totals of the epoch's metrics, so that a mid-epoch resume reports
       the same epoch averages;
     - seed: Keras's global SeedGenerator, when one exists.
+
+    A SeedGenerator's variable path is `seed_generator_<n>/seed_generator_state`, numbered by
+    Keras in the order generators are created in the session, and without its layer: two
+    Dropout layers created in the other order would swap states. Here a layer's generator
+    state is keyed by the layer instead (`model/<layer name>[/<sublayer>]/seed_generator_state`,
+    `~2` for its second), the global one as `seed/global/seed_generator_state`; keys that
+    never depend on creation order. `legacy=True` gives the keys backups written before
+    (`model/seed_generator_1/seed_generator_state`), which `readable` falls back to.
     """
     from keras_accel.utils import keras_internals
 
@@ -46,15 +57,60 @@ def variables(model) -> dict[str, keras.Variable]:
     generator = keras_internals.global_seed_generator()
     if generator is not None:
         groups["seed"] = [generator.state]
+    owners = {} if legacy else _seed_owners(model)
     keyed: dict[str, keras.Variable] = {}
     for group in GROUPS:
         seen: dict[str, int] = {}
         for variable in groups[group]:
             key = f"{group}/{variable.path}"
+            if group == "model" and id(variable) in owners:
+                key = f"{group}/{owners[id(variable)]}"
+            elif group == "seed" and not legacy:
+                key = GLOBAL_SEED
             # Keras paths are unique in practice; two variables sharing one keep their order.
             seen[key] = seen.get(key, 0) + 1
             keyed[key if seen[key] == 1 else f"{key}~{seen[key]}"] = variable
     return keyed
+
+
+def _seed_owners(model) -> dict[int, str]:
+    """`{id(state variable): "<layer names>/seed_generator_state[~n]"}` for every seed
+    state a layer holds beside its weights (`layer.variables` minus `layer.weights`),
+    attributed to the innermost model layer that holds it, walking `layers` of nested
+    models (a custom layer's sublayers count as its own, in its own order)."""
+    owners: dict[int, tuple[str, int]] = {}
+
+    def walk(layer, prefix: str, depth: int) -> None:
+        weights = {id(w) for w in layer.weights}
+        count = 0
+        for variable in layer.variables:
+            if id(variable) in weights:
+                continue
+            count += 1
+            if depth > 0 and owners.get(id(variable), ("", -1))[1] < depth:
+                name = prefix + variable.name + ("" if count == 1 else f"~{count}")
+                owners[id(variable)] = (name, depth)
+        for child in getattr(layer, "layers", None) or []:
+            walk(child, f"{prefix}{child.name}/", depth + 1)
+
+    walk(model, "", 0)
+    return {key: name for key, (name, _) in owners.items()}
+
+
+def readable(
+    state: dict[str, keras.Variable], legacy: dict[str, keras.Variable], saved: dict
+) -> dict[str, keras.Variable]:
+    """`state` keyed as the checkpoint `saved` names its variables: a seed state saved
+    under its old, creation-ordered key (a backup written before the keys above) is read
+    from there, when its key is not in the checkpoint and the old one is."""
+    old = {id(variable): key for key, variable in legacy.items()}
+    mapped = {}
+    for key, variable in state.items():
+        before = old.get(id(variable), key)
+        if key not in saved and before in saved and before not in state:
+            key = before
+        mapped[key] = variable
+    return mapped
 
 
 def manifest(state: dict[str, keras.Variable]) -> dict[str, dict]:

@@ -691,3 +691,151 @@ def test_verbose_prints_saves_and_restores(tmp_path, capsys):
     assert capsys.readouterr().out == (
         f"\nBackupAndRestore: saved {path}\nBackupAndRestore: restored {path} (epoch 2, batch 0)\n"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Keyed by path, whatever order the layers were created in.
+
+
+class CrashAfter(keras.callbacks.Callback):
+    """Raises at the end of epoch `epoch`, after BackupAndRestore handed its backup on, and
+    keeps the state then, by variable path."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.saved = _by_path(self.model)
+            raise RuntimeError("crash")
+
+
+class _AtTrainBegin(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.state = _by_path(self.model)
+        self.iterations = int(self.model.optimizer.iterations.numpy())
+
+
+def _by_path(model):
+    return {v.path: np.asarray(v.numpy()) for v in model.variables}
+
+
+def _named(order, extra=False):
+    """enc -> d1 -> head -> d2 (and an `extra` layer), named, created in `order`; the two
+    Dropouts' seed states are what Keras numbers by creation order."""
+    init = keras.initializers.GlorotUniform
+    make = {
+        "enc": lambda: keras.layers.Dense(16, name="enc", kernel_initializer=init(3)),
+        "d1": lambda: keras.layers.Dropout(0.3, name="d1", seed=1),
+        "head": lambda: keras.layers.Dense(3, name="head", kernel_initializer=init(4)),
+        "d2": lambda: keras.layers.Dropout(0.6, name="d2", seed=2),
+    }
+    layers = {name: make[name]() for name in order}
+    inputs = keras.Input((6,))
+    hidden = layers["d1"](layers["enc"](inputs))
+    if extra:
+        hidden = keras.layers.Dense(16, name="extra")(hidden)
+    outputs = keras.layers.Softmax()(layers["d2"](layers["head"](hidden)))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    return model
+
+
+def _accelerated(order, **kwargs):
+    from keras_accel import Accelerator
+
+    keras.backend.clear_session(free_memory=False)  # As in a new process.
+    acc = Accelerator(seed=0)
+    with acc.scope():
+        return acc, _named(order, **kwargs)
+
+
+FIRST, OTHER = ["enc", "d1", "head", "d2"], ["d2", "head", "d1", "enc"]
+
+
+def test_layers_created_in_another_order_resume_exactly_by_path(tmp_path):
+    """Accelerator.fit ended by an exception after epoch 1; the next run creates the same
+    named layers in the other order. It resumes at epoch 2 with the saved state, each layer
+    its own (Keras numbers the Dropouts' seed generators by creation order: keyed by those
+    numbers, their states changed places), and ends where the uninterrupted run ends."""
+    x, y = data(64)
+    acc, straight = _accelerated(FIRST)
+    acc.fit(straight, x, y, batch_size=16, epochs=4, verbose=0)
+    expected = _by_path(straight)
+
+    acc, first = _accelerated(FIRST)
+    backup, crash = BackupAndRestore(str(tmp_path / "backup")), CrashAfter(1)
+    with pytest.raises(RuntimeError, match="crash"):
+        acc.fit(first, x, y, batch_size=16, epochs=4, verbose=0, callbacks=[backup, crash])
+    backup.wait()
+
+    acc, other = _accelerated(OTHER)
+    names = {v.path: v for v in other.variables}
+    assert [v.path for v in other.get_layer("d1").variables] == [
+        "seed_generator_1/seed_generator_state"
+    ]  # The numbers changed hands.
+    begin, history = _AtTrainBegin(), History()
+    acc.fit(other, x, y, batch_size=16, epochs=4, verbose=0, callbacks=[backup, begin, history])
+    assert history.epoch == [2, 3] and begin.iterations == 2 * 4
+    for layer in ("enc", "head", "d1", "d2"):
+        for v_saved, v_here in zip(
+            first.get_layer(layer).variables, other.get_layer(layer).variables, strict=True
+        ):
+            np.testing.assert_array_equal(
+                begin.state[v_here.path], crash.saved[v_saved.path], err_msg=layer
+            )
+    for path, value in expected.items():
+        if path.startswith("seed_generator"):
+            continue  # Compared by layer below.
+        np.testing.assert_array_equal(np.asarray(names[path].numpy()), value, err_msg=path)
+    for layer in ("d1", "d2"):
+        np.testing.assert_array_equal(
+            other.get_layer(layer).variables[0].numpy(),
+            straight.get_layer(layer).variables[0].numpy(),
+            err_msg=layer,
+        )
+
+
+def test_a_model_with_another_layer_is_refused_by_path_through_the_accelerator(tmp_path):
+    x, y = data(64)
+    acc, first = _accelerated(FIRST)
+    backup, crash = BackupAndRestore(str(tmp_path / "backup")), CrashAfter(1)
+    with pytest.raises(RuntimeError, match="crash"):
+        acc.fit(first, x, y, batch_size=16, epochs=4, verbose=0, callbacks=[backup, crash])
+    backup.wait()
+    acc, grown = _accelerated(OTHER, extra=True)
+    initial = _by_path(grown)
+    with pytest.raises(ValueError) as error:
+        acc.fit(grown, x, y, batch_size=16, epochs=4, verbose=0, callbacks=[backup])
+    message = str(error.value)
+    assert "not in the checkpoint: 'model/extra/kernel', 'model/extra/bias'" in message
+    assert "'optimizer/adam/extra_kernel_momentum'" in message
+    assert "'model/head/kernel' (16, 3) saved" not in message  # Same shape: only extra.
+    assert all(np.array_equal(v, initial[k]) for k, v in _by_path(grown).items())
+
+
+def test_backups_that_keyed_seed_states_by_keras_numbers_are_still_read(tmp_path, monkeypatch):
+    """Backups written before seed states were keyed by layer name them
+    `model/seed_generator_<n>/seed_generator_state`: read by that name when it is there."""
+    from keras_accel.state import tree
+
+    keras.backend.clear_session(free_memory=False)
+    model = _named(FIRST)
+    model.optimizer.build(model.trainable_variables)
+    model.get_layer("d1").seed_generator.state.assign(np.array([11, 12], "uint32"))
+    model.get_layer("d2").seed_generator.state.assign(np.array([21, 22], "uint32"))
+    variables = tree.variables
+    monkeypatch.setattr(tree, "variables", lambda m, legacy=True: variables(m, legacy=True))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    _start(backup, model)
+    backup.save(1, 0)
+    backup.on_train_end()
+    monkeypatch.setattr(tree, "variables", variables)
+    manifest = backup._open().read_meta(3)["manifest"]
+    assert "model/seed_generator_1/seed_generator_state" in manifest
+    keras.backend.clear_session(free_memory=False)
+    same = _named(FIRST)
+    _start(BackupAndRestore(str(tmp_path)), same)
+    assert list(same.get_layer("d1").seed_generator.state.numpy()) == [11, 12]
+    assert list(same.get_layer("d2").seed_generator.state.numpy()) == [21, 22]
