@@ -803,8 +803,20 @@ def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -
             f"replicas; every batch is padded to {static_rows} rows "
             f"({(static_rows - batch_size) / static_rows:.0%} of the compute is padding). "
             f"Use a multiple of {num_replicas} to avoid it.",
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first caller outside keras_accel (the user's line), from the
+    function that calls `warnings.warn`."""
+    import sys
+
+    package = __name__.split(".")[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_positive_int(value, name: str) -> None:

@@ -119,8 +119,11 @@ def test_indivisible_batch_size_is_padded_with_a_warning_and_stays_exact():
     acc = Accelerator()
     model, twin = _pair(acc)
     x, y = data(30)
-    with pytest.warns(UserWarning, match="batch_size=10 does not split over 8 replicas.*16 rows"):
+    with pytest.warns(
+        UserWarning, match="batch_size=10 does not split over 8 replicas.*16 rows"
+    ) as caught:
         acc.fit(model, x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    assert {w.filename for w in caught} == {__file__}  # The user's line, not ours.
     twin.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())
 
