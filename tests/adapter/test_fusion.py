@@ -190,3 +190,92 @@ def test_fused_evaluate_equals_unfused_and_predict_returns_every_row():
 def test_a_bad_steps_per_execution_names_what_was_received(value):
     with pytest.raises(ValueError, match=r"'auto' or a positive integer.*Received: steps_per_"):
         Accelerator(steps_per_execution=value)
+
+
+def _two_outputs(acc=None):
+    """A functional model with a classification and a regression output (per-output losses,
+    loss weights and a per-output metric), built from seed 0 in `acc`'s scope or plainly."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        outputs = {
+            "cls": keras.layers.Dense(3, name="cls")(hidden),
+            "reg": keras.layers.Dense(1, name="reg")(hidden),
+        }
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            loss={
+                "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "reg": "mse",
+            },
+            loss_weights={"cls": 1.0, "reg": 0.5},
+            metrics={"cls": ["accuracy"]},
+        )
+        return model
+
+    if acc is None:
+        return build()
+    with acc.scope():
+        return build()
+
+
+def _two_output_data(rows):
+    x, reg = _data(rows)
+    cls = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
+    return x, {"cls": cls, "reg": reg}
+
+
+def test_per_output_losses_of_fused_steps_equal_plain_keras_with_and_without_padding(backend):
+    # Keras weights each batch's per-output loss by the static size of y_pred's first axis
+    # (once where it is unknown): the fused loop body's batches must have the first
+    # call site's static shapes, or cls_loss/reg_loss count batches, not rows.
+    acc = Accelerator(devices=DEVICES)
+    ours, plain = _two_outputs(acc), _two_outputs()
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    x, y = _two_output_data(256)  # 8 batches of 32: auto fuses all 8 in one call.
+    assert fusion.choose("auto", ours, "train", 8, [])[0] == 8
+    keys = ("loss", "cls_loss", "reg_loss", "cls_accuracy")
+    history = acc.fit(ours, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    want = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert set(keys) <= set(history.history), history.history
+    for key in keys:
+        np.testing.assert_allclose(
+            history.history[key], want.history[key], rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    got = acc.evaluate(ours, x, y, batch_size=32, verbose=0, return_dict=True)
+    expected = plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    for key in keys:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+    # 230 rows: 7 batches of 32 and one of 6 (padded to 32 here). The exact per-row means,
+    # from the model's predictions and Keras's loss functions.
+    x, y = _two_output_data(230)
+    plain.set_weights(ours.get_weights())
+    predicted = plain.predict(x, batch_size=32, verbose=0)
+    cls_loss = np.mean(
+        keras.ops.convert_to_numpy(
+            keras.losses.sparse_categorical_crossentropy(y["cls"], predicted["cls"], True)
+        )
+    )
+    reg_loss = np.mean(
+        keras.ops.convert_to_numpy(keras.losses.mean_squared_error(y["reg"], predicted["reg"]))
+    )
+    accuracy = np.mean(np.argmax(predicted["cls"], axis=-1) == y["cls"])
+    exact = {
+        "loss": cls_loss + 0.5 * reg_loss,
+        "cls_loss": cls_loss,
+        "reg_loss": reg_loss,
+        "cls_accuracy": accuracy,
+    }
+    assert not np.isclose(cls_loss, expected["cls_loss"], rtol=1e-3)  # Another model now.
+    got = acc.evaluate(ours, x, y, batch_size=32, verbose=0, return_dict=True)
+    for key in keys:
+        np.testing.assert_allclose(got[key], exact[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    if backend == "jax":  # Keras on TF averages the batch means (the last batch's size unknown).
+        expected = plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+        for key in keys:
+            np.testing.assert_allclose(expected[key], exact[key], rtol=1e-5, atol=1e-6, err_msg=key)
