@@ -262,3 +262,56 @@ def test_step_groups_are_for_train_and_test_steps_only():
     assert loop.batches(x, y, batch_size=BATCH).steps_per_execution == 1
     fixed = Accelerator(seed=0, devices=1, steps_per_execution=5)
     assert fixed.loop(_models(fixed)[0]).batches(x, y, batch_size=BATCH).steps_per_execution == 5
+
+
+def test_loop_takes_the_compiled_metrics_fresh_with_accuracy_resolved_as_compile_does():
+    acc = Accelerator(seed=0, devices=min(2, int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8"))))
+    with acc.scope():
+        wacc = keras.metrics.SparseCategoricalAccuracy("wacc")
+        model = compiled_mlp(batchnorm=False)
+        model.compile(
+            _optimizer(), "sparse_categorical_crossentropy", metrics=["accuracy"],
+            weighted_metrics=[wacc],
+        )  # fmt: skip
+    x, y = data(ROWS)
+    sw = np.linspace(0.2, 2.0, ROWS).astype("float32")
+    loop = acc.loop(model)
+    got = loop.evaluate(x, y, batch_size=BATCH, sample_weight=sw)
+    want = acc.evaluate(model, x, y, batch_size=BATCH, sample_weight=sw, return_dict=True)
+    assert set(got) == {"loss", "accuracy", "wacc"}, got
+    _close(got, want)
+    assert got["wacc"] != pytest.approx(got["accuracy"], abs=1e-4)  # The weights counted.
+    # Sparse labels, three outputs: "accuracy" is SparseCategoricalAccuracy. Fresh objects:
+    # the loop's state is not what fit and evaluate report.
+    (accuracy,), (weighted,) = loop.metrics, loop.weighted_metrics
+    assert type(accuracy) is keras.metrics.SparseCategoricalAccuracy
+    assert accuracy.name == "accuracy"
+    assert type(weighted) is keras.metrics.SparseCategoricalAccuracy and weighted is not wacc
+    assert weighted.name == "wacc"
+    model_metrics = {id(m) for m in model.metrics} | {id(wacc)}
+    assert not {id(m) for m in loop.all_metrics()} & model_metrics
+
+    # One sigmoid output and 0/1 labels: "accuracy" is BinaryAccuracy.
+    with acc.scope():
+        binary = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, "sigmoid")])
+        binary.compile(_optimizer(), "binary_crossentropy", metrics=["accuracy"])
+    labels = (x[:, 0] + 0.3 * x[:, 2] > 0).astype("float32")[:, None]
+    loop = acc.loop(binary)
+    got = loop.evaluate(x, labels, batch_size=BATCH)
+    assert type(loop.metrics[0]) is keras.metrics.BinaryAccuracy
+    twin = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, "sigmoid")])
+    twin.set_weights(binary.get_weights())
+    predicted = twin.predict(x, verbose=0)
+    exact = np.mean((predicted > 0.5) == (labels > 0.5))
+    assert 0.1 < exact < 0.9
+    assert got["accuracy"] == pytest.approx(exact, abs=1e-6)
+    bce = keras.losses.binary_crossentropy(labels, predicted)
+    assert got["loss"] == pytest.approx(np.mean(keras.ops.convert_to_numpy(bce)), rel=1e-5)
+
+    # Metrics per output cannot apply to the loop's whole output: refused, with what to pass.
+    with acc.scope():
+        binary.compile(
+            _optimizer(), "binary_crossentropy", metrics={binary.layers[-1].name: ["accuracy"]}
+        )
+    with pytest.raises(ValueError, match="metrics per output"):
+        acc.loop(binary)
