@@ -137,3 +137,36 @@ def test_unsupported_backend_is_a_clear_error():
     assert result.returncode != 0
     assert "Received: KERAS_BACKEND='numpy'" in result.stderr
     assert "KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow" in result.stderr
+
+
+def test_fit_with_gradient_accumulation_is_refused_before_a_step_on_tf_and_exact_on_jax(backend):
+    acc = Accelerator(seed=0)
+    with acc.scope():
+        model = compiled_mlp(
+            optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), batchnorm=False
+        )
+    twin = compiled_mlp(
+        optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), batchnorm=False
+    )
+    twin.set_weights(model.get_weights())
+    before = weights_of(model)
+    x, y = data(96)  # 6 full batches of 16: accumulation pairs them, 3 updates an epoch.
+    if backend == "tensorflow" and acc.num_replicas > 1:
+        # Keras's TF optimizer merges the replicas inside a cond, which a replicated step
+        # refuses: one clear error before the first step, nothing trained.
+        with pytest.raises(NotImplementedError, match="accumulation does not run under"):
+            acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
+        for a, b in zip(weights_of(model), before):
+            np.testing.assert_array_equal(a, b)
+        assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0
+        return
+    history = acc.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = twin.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    after = weights_of(model)
+    assert max(np.abs(a - b).max() for a, b in zip(after, before)) > 1e-3  # It trained.
+    for i, (a, b) in enumerate(zip(after, weights_of(twin))):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=f"weight {i}")
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    # Keras counts the applied updates: 3 an epoch, as on one device.
+    iterations = [int(keras.ops.convert_to_numpy(m.optimizer.iterations)) for m in (model, twin)]
+    assert iterations == [6, 6]
