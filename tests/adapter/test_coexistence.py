@@ -52,3 +52,41 @@ def test_global_keras_distribution_is_left_as_the_user_set_it(backend, num_devic
         assert _fits(plain, x, y)
     finally:
         distribution.set_distribution(None)
+
+
+def test_accelerator_inside_a_raw_strategy_scope_is_one_clear_error(backend, num_devices):
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("tf.distribute strategies over several devices")
+    import keras
+    import tensorflow as tf
+
+    from tests.helpers import assert_weights_close, weights_of
+
+    x, y = data(64)
+    raw = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with raw.scope():
+        raw_model = compiled_mlp(batchnorm=False)
+    acc = Accelerator(devices=2, seed=0)
+    with acc.scope():
+        ours = compiled_mlp(batchnorm=False)
+    twin = compiled_mlp(batchnorm=False)
+    twin.set_weights(ours.get_weights())
+    before = weights_of(ours)
+    built = []
+    with raw.scope():
+        with pytest.raises(RuntimeError, match="cannot nest two strategies") as info, acc.scope():
+            built.append(compiled_mlp())
+        assert "MirroredStrategy" in str(info.value)
+        with pytest.raises(RuntimeError, match="cannot nest two strategies"):
+            acc.fit(ours, x, y, batch_size=16, verbose=0)
+    assert built == [] and not tf.distribute.has_strategy()
+    for a, b in zip(weights_of(ours), before):
+        np.testing.assert_array_equal(a, b)
+    # Outside the user's scope both work, and ours trains as one device does.
+    history = acc.fit(ours, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    want = twin.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(weights_of(ours), weights_of(twin), atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    assert int(keras.ops.convert_to_numpy(ours.optimizer.iterations)) == 4
+    with raw.scope():
+        assert _fits(raw_model, x, y)
