@@ -456,6 +456,16 @@ class Accelerator:
                         )
                         + f"{where}."
                     )
+        for metric in _compiled_metric_objects(model):
+            for variable in metric.variables:
+                detail = runtime.variable_misplaced(variable)
+                if detail is not None:
+                    raise RuntimeError(
+                        f"The metric {metric.name!r} given to compile() was created outside "
+                        f"`acc.scope()`: its variable {variable.path!r} {detail}, but this "
+                        f"Accelerator spreads work over {self.num_replicas} replicas. Create "
+                        f"it inside `with acc.scope():`, or pass its name to compile()."
+                    )
         return model
 
     def _session(self, model, contracts, data, first_contract, patch=None) -> Session:
@@ -751,6 +761,19 @@ def _variables_by_stage(model):
     for metric in model.metrics:
         state += list(metric.variables)
     yield "compiled", state
+
+
+def _compiled_metric_objects(model) -> list:
+    """The Metric objects given to `compile(metrics=..., weighted_metrics=...)`, which Keras
+    keeps as they are (their variables exist before the first step)."""
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None:
+        return []
+    given = [
+        keras_internals.require(compiled, name, "the compiled metrics")
+        for name in ("_user_metrics", "_user_weighted_metrics")
+    ]
+    return [m for m in keras.tree.flatten(given) if isinstance(m, keras.metrics.Metric)]
 
 
 def _bind_schedule(model, total_steps: int, steps_per_epoch: int, patches) -> None:

@@ -120,6 +120,17 @@ def test_model_built_outside_scope_is_refused():
         acc.fit(model, x, y, batch_size=16, verbose=0)
 
 
+def test_a_compiled_metric_created_outside_scope_is_named_before_a_step():
+    acc = Accelerator()
+    wacc = keras.metrics.SparseCategoricalAccuracy("wacc")  # Out here, on one device.
+    with acc.scope():
+        model = mlp()
+        model.compile("sgd", "sparse_categorical_crossentropy", weighted_metrics=[wacc])
+    x, y = data(32)
+    with pytest.raises(RuntimeError, match="metric 'wacc' given to compile\\(\\) was created"):
+        acc.evaluate(model, x, y, batch_size=16, verbose=0)
+
+
 def test_single_device_accepts_a_model_built_anywhere():
     acc = Accelerator(strategy="single")
     model = compiled_mlp()
