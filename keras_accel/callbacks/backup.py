@@ -21,7 +21,7 @@ from keras_accel.callbacks._preemption import Preempted, Watch
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.state import engines, files, tree
-from keras_accel.utils import process
+from keras_accel.utils import keras_internals, process
 
 FORMAT = "keras_accel.BackupAndRestore"
 VERSION = 2
@@ -172,6 +172,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_on_background: bool = True,
         partial_restore: bool = False,
     ):
+        # The Keras internals our callbacks rely on, checked once, under a plain model.fit too.
+        keras_internals.check()
         super().__init__()
         # Keras's wording first (code may match it), then what would work.
         if not backup_dir:

@@ -13,7 +13,7 @@ from keras_accel.callbacks import _saving
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.state import files
-from keras_accel.utils import process
+from keras_accel.utils import keras_internals, process
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -70,6 +70,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         initial_value_threshold: float | None = None,
         max_to_keep: int | None = None,
     ):
+        # The Keras internals our callbacks rely on, checked once, under a plain model.fit too.
+        keras_internals.check()
         super().__init__(
             filepath,
             monitor=monitor,

@@ -16,7 +16,7 @@ import numpy as np
 from keras_accel.callbacks._run import run_state
 from keras_accel.callbacks.learning_rate import host_step
 from keras_accel.state import files
-from keras_accel.utils import process
+from keras_accel.utils import keras_internals, process
 
 FORMAT = "keras_accel.History"
 VERSION = 1
@@ -72,6 +72,8 @@ class History(keras.callbacks.History):
     """
 
     def __init__(self, path: str | None = None, csv: bool | str = False, per_step: bool = False):
+        # The Keras internals our callbacks rely on, checked once, under a plain model.fit too.
+        keras_internals.check()
         super().__init__()
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise TypeError(

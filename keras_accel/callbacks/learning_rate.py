@@ -13,6 +13,7 @@ import numpy as np
 from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.schedules import validate_learning_rate
+from keras_accel.utils import keras_internals
 
 UPDATE_FREQS = ("epoch", "step")
 
@@ -72,6 +73,8 @@ class LearningRateScheduler(keras.callbacks.Callback):
         verbose: int = 0,
         update_freq: str = "epoch",
     ):
+        # The Keras internals our callbacks rely on, checked once, under a plain model.fit too.
+        keras_internals.check()
         super().__init__()
         if not callable(schedule):
             raise TypeError(

@@ -8,6 +8,7 @@ disk, and otherwise says where it looked instead of trying the network.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ def _import_keras_hub():
     try:
         import keras_hub
     except ImportError as error:
+        if importlib.util.find_spec("keras_hub") is not None:
+            raise  # Installed but broken (e.g. a keras-hub too old for this Keras): its error.
         raise ImportError(
             "bert_classifier() needs keras-hub, the optional `nlp` extra of keras-accel. "
             "Install it with: pip install keras-accel[nlp]"
