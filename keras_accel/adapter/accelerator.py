@@ -352,16 +352,13 @@ class Accelerator:
             else f"{type(model).__name__} overrides train_step and gets (x, y) batches"
         )
         if self.remainder is None and plan.static_rows == plan.batch_size:
-            dropped = make("drop")
-            rows = plan.num_samples - dropped.plan.rows_seen
-            warnings.warn(
-                f"keras_accel: {reason}, so the last partial batch ({rows} of "
-                f"{plan.num_samples} rows, a new draw every epoch when shuffling) is dropped "
-                "(remainder='drop'). Pass Accelerator(remainder='pad') to feed it padded, "
-                "weighted 0 in sample_weight, or a batch_size that divides the data.",
-                stacklevel=3,
+            return _dropped(
+                make,
+                plan,
+                f"{reason}, so the last partial batch",
+                "Pass Accelerator(remainder='pad') to feed it padded, weighted 0 in "
+                "sample_weight, or a batch_size that divides the data.",
             )
-            return dropped
         if self.remainder == "pad" and batches.has_targets:
             return batches  # Asked for: padding reaches the step as sample_weight 0.
         raise ValueError(
@@ -387,16 +384,13 @@ class Accelerator:
             return batches
         plan = batches.plan
         if self.remainder is None and plan.static_rows == plan.batch_size:
-            dropped = make("drop")
-            rows = plan.num_samples - dropped.plan.rows_seen
-            warnings.warn(
-                f"keras_accel: {'; '.join(found)}, so padding rows would change it: the last "
-                f"partial batch ({rows} of {plan.num_samples} rows, a new draw every epoch "
-                "when shuffling) is dropped (remainder='drop'), so that every batch is "
-                "exact. Honour sample_weight (or return one loss per row) to keep it.",
-                stacklevel=4,
+            return _dropped(
+                make,
+                plan,
+                f"{'; '.join(found)}, so padding rows would change it: the last partial batch",
+                "Every batch is then exact. Honour sample_weight (or return one loss per "
+                "row) to keep it.",
             )
-            return dropped
         raise ValueError(_inexact_message(found, plan, self.num_replicas, "training"))
 
     def _check_exact(self, model, batches, name: str) -> None:
@@ -706,6 +700,19 @@ def _standardize_inputs(model, x):
         if single and hasattr(x[0], "shape"):
             return x[0]
     return x
+
+
+def _dropped(make, plan, what: str, advice: str):
+    """Training batches without the last partial batch, with a one-line note saying why
+    (`what` ends in "the last partial batch") and how to keep it."""
+    dropped = make("drop")
+    rows = plan.num_samples - dropped.plan.rows_seen
+    warnings.warn(
+        f"keras_accel: {what} ({rows} of {plan.num_samples} rows, a new draw every epoch when "
+        f"shuffling) is dropped (remainder='drop'). {advice}",
+        stacklevel=_user_stacklevel(),
+    )
+    return dropped
 
 
 def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> str:
