@@ -296,11 +296,20 @@ class Accelerator:
         if sources.is_tf_dataset(x):
             from keras_accel.data import tfdata
 
-            batches = tfdata.StaticTFBatches(
+            batches = tfdata.TFDatasetBatches(
                 x, num_replicas=self.num_replicas, remainder=remainder, training=training
             )
         elif sources.is_py_dataset(x):
             batches = sources.PyDatasetBatches(
+                x,
+                num_replicas=self.num_replicas,
+                remainder=remainder,
+                training=training,
+                shuffle=shuffle,
+                seed=self.seed,
+            )
+        elif sources.is_generator(x) or sources.is_grain_dataset(x):
+            batches = sources.IterableBatches(
                 x, num_replicas=self.num_replicas, remainder=remainder, training=training
             )
         else:
@@ -362,8 +371,8 @@ class Accelerator:
         if self.remainder == "pad" and batches.has_targets:
             return batches  # Asked for: padding reaches the step as sample_weight 0.
         raise ValueError(
-            f"keras_accel: {reason}, but {plan.num_samples} rows in batches of "
-            f"{plan.batch_size} over {self.num_replicas} replicas need padding rows in "
+            f"keras_accel: {reason}, but {plan.describe()} over {self.num_replicas} replicas "
+            f"{'need' if plan.num_samples is not None else 'may need'} padding rows in "
             f"{'every batch' if plan.static_rows != plan.batch_size else 'the last batch'}. "
             f"Use a batch_size that is a multiple of {self.num_replicas}"
             + (" (the last partial batch is then dropped)" if batches.has_targets else "")
@@ -412,7 +421,7 @@ class Accelerator:
             pass_weights=batches.has_targets and (batches.weighted or plan.pads),
             user_weighted=batches.weighted,
             padded=plan.pads,
-            description=f"{plan.num_samples} rows in batches of {plan.batch_size}{padding}",
+            description=f"{plan.describe()}{padding}",
         )
 
     # ------------------------------------------------------------------ model
@@ -462,11 +471,11 @@ class Accelerator:
                     )
         return model
 
-    def _session(self, model, contracts, data, first_contract, patch=None) -> Session:
+    def _session(self, model, contracts, data, batches, first_contract, patch=None) -> Session:
         first = (
             None
             if first_contract is None
-            else functools.partial(_first_batch, data, first_contract)
+            else functools.partial(_first_batch, data, batches, first_contract)
         )
         return Session(
             model,
@@ -538,14 +547,19 @@ class Accelerator:
         sync = _EpochSync(
             self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
         )
-        steps = steps_per_epoch or len(train)
+        steps = steps_per_epoch or train.plan.num_batches
+        if steps_per_epoch is None and getattr(train, "reiterable", False):
+            steps_per_epoch = steps  # A Grain data set reaches Keras as one endless stream.
         n = self._fuse(model, "train", steps, callbacks, verbose, validating=val is not None)
 
         def patch(patches):
-            _bind_schedule(model, int(epochs) * steps, steps, patches)
+            _bind_schedule(model, epochs, steps, patches, train.plan)
             fusion.install(patches, model, n, callbacks, epochs=int(epochs), steps=steps)
 
-        with self.scope(), self._session(model, contracts, train_data, contracts["train"], patch):
+        with (
+            self.scope(),
+            self._session(model, contracts, train_data, train, contracts["train"], patch),
+        ):
             return _keras(model, "fit")(
                 train_data,
                 epochs=epochs,
@@ -583,9 +597,9 @@ class Accelerator:
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
-        n = self._fuse(model, "test", steps or len(batches), callbacks, verbose)
+        n = self._fuse(model, "test", steps or batches.plan.num_batches, callbacks, verbose)
         patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
-        with self.scope(), self._session(model, {"test": contract}, data, contract, patch):
+        with self.scope(), self._session(model, {"test": contract}, data, batches, contract, patch):
             result = _keras(model, "evaluate")(
                 data, verbose=verbose, steps=steps, callbacks=callbacks, return_dict=return_dict
             )
@@ -609,16 +623,17 @@ class Accelerator:
         batches = self._batches(x, None, batch_size, False, None, None, False, None)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
-        n = self._fuse(model, "predict", steps or len(batches), callbacks, verbose)
+        n = self._fuse(model, "predict", steps or batches.plan.num_batches, callbacks, verbose)
         patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
-        # Prediction batches are `(x,)`, as Keras's own: nothing to build them from for us.
-        with self.scope(), self._session(model, contracts, data, None, patch):
-            outputs = _keras(model, "predict")(
+        # The model's step sees `(x,)`, as Keras's own: nothing to build it from for us.
+        with self.scope(), self._session(model, contracts, data, batches, None, patch):
+            outputs, row_mask = _keras(model, "predict")(
                 data, verbose=verbose, steps=steps, callbacks=callbacks
             )
         self.guard.mark_warm(model, "predict")
-        keep = _real_rows(batches.plan)
-        return keras.tree.map_structure(lambda a: a[keep], outputs)
+        # Each batch's row mask came back beside its outputs: keep the real rows.
+        keep = np.asarray(row_mask).reshape(-1) > 0
+        return keras.tree.map_structure(lambda a: np.asarray(a)[keep], outputs)
 
     # ------------------------------------------------------------------ custom loops
     def loop(
@@ -706,10 +721,13 @@ def _dropped(make, plan, what: str, advice: str):
     """Training batches without the last partial batch, with a one-line note saying why
     (`what` ends in "the last partial batch") and how to keep it."""
     dropped = make("drop")
-    rows = plan.num_samples - dropped.plan.rows_seen
+    if plan.num_samples is None:  # A stream: a partial batch is known only when it comes.
+        detail = f"of {plan.describe()}, if it has one,"
+    else:
+        rows = plan.num_samples - dropped.plan.rows_seen
+        detail = f"({rows} of {plan.num_samples} rows, a new draw every epoch when shuffling)"
     warnings.warn(
-        f"keras_accel: {what} ({rows} of {plan.num_samples} rows, a new draw every epoch when "
-        f"shuffling) is dropped (remainder='drop'). {advice}",
+        f"keras_accel: {what} {detail} is dropped (remainder='drop'). {advice}",
         stacklevel=_user_stacklevel(),
     )
     return dropped
@@ -717,8 +735,8 @@ def _dropped(make, plan, what: str, advice: str):
 
 def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> str:
     return (
-        f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.num_samples} "
-        f"rows in batches of {plan.batch_size} over {num_replicas} replicas), so the result "
+        f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.describe()} "
+        f"over {num_replicas} replicas), so the result "
         "would count padding rows, where plain Keras is exact. Make the loss return one "
         "value per row and the metric honour sample_weight, or use a batch_size that is a "
         f"multiple of {num_replicas} and divides the number of rows, so that nothing is padded."
@@ -730,22 +748,26 @@ def _check_evaluation(batches, name: str) -> None:
         plan = batches.plan
         raise ValueError(
             f"Without targets, padding rows cannot be weighted out of an evaluation, but "
-            f"`{name}` has {plan.num_samples} rows in batches of {plan.batch_size}, which "
-            f"need padding over the replicas. Pass targets, or a batch_size that divides "
-            "the number of rows and is a multiple of the replica count."
+            f"`{name}` is {plan.describe()}, which "
+            f"{'need' if plan.num_samples is not None else 'may need'} padding over the "
+            "replicas. Pass targets, or a batch_size that divides the number of rows and is "
+            "a multiple of the replica count (for a tf.data.Dataset, "
+            "`batch(n, drop_remainder=True)` with such an n)."
         )
 
 
-def _first_batch(data, contract: StepContract):
+def _first_batch(data, batches, contract: StepContract):
     """The first batch of `data` as the model's step sees it (arrays, or tf.data tensors),
     for Keras's symbolic build; text is described as a "string" tensor, which Keras reads
     where numpy's `str`/`object` dtypes are refused."""
-    # A PyDataset, else a tf.data.Dataset.
-    is_py = isinstance(data, keras.utils.PyDataset)
     data = getattr(data, "keras_accel_local", data)  # A worker's share of distributed data.
-    element = data[0] if is_py else next(iter(data.take(1)))
-    element = keras.tree.map_structure(_symbolic_text, element)
-    x, y, sample_weight, _ = unpack(element)
+    if isinstance(data, keras.utils.PyDataset):
+        x, y, sample_weight, _ = unpack(data[0])
+    elif sources.is_generator(data):  # A stream: its first batch was kept aside.
+        x, y, sample_weight, _ = batches.first_batch()
+    else:  # A tf.data.Dataset.
+        x, y, sample_weight, _ = unpack(next(iter(data.take(1))))
+    x, y, sample_weight = keras.tree.map_structure(_symbolic_text, (x, y, sample_weight))
     if y is None:
         return (x,)
     return (x, y, sample_weight) if contract.pass_weights else (x, y)
@@ -783,14 +805,23 @@ def _compiled_metric_objects(model) -> list:
     return [m for m in keras.tree.flatten(given) if isinstance(m, keras.metrics.Metric)]
 
 
-def _bind_schedule(model, total_steps: int, steps_per_epoch: int, patches) -> None:
+def _bind_schedule(model, epochs: int, steps_per_epoch: int | None, patches, plan) -> None:
     """A keras_accel schedule given to the optimizer without the training length
     (`WarmupCosine(warmup_fraction=...)`) gets this fit's, for this fit."""
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     schedule = getattr(inner, "_learning_rate", None)
     if getattr(schedule, "needs_total_steps", False):
-        bound = schedule.with_total_steps(total_steps, steps_per_epoch=steps_per_epoch)
+        if steps_per_epoch is None:
+            raise ValueError(
+                f"The optimizer's learning-rate schedule {type(schedule).__name__} is given "
+                f"as a fraction of training, which needs the number of steps, but fit got "
+                f"{plan.describe()}, whose length is unknown. Pass steps_per_epoch to fit, "
+                "or give the schedule its total steps."
+            )
+        bound = schedule.with_total_steps(
+            int(epochs) * steps_per_epoch, steps_per_epoch=steps_per_epoch
+        )
         patches.set(inner, "_learning_rate", bound)
 
 

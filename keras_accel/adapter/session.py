@@ -157,6 +157,9 @@ class Session:
             lambda kind, data: self.record(model, kind, data),
             runtime.row_count,
         )
+        outer = getattr(runtime, "install_outer", None)
+        if outer is not None:  # What must wrap our step wrappers (JAX: gathered outputs).
+            outer(patches, model)
         install_metric_masks(patches, model)
         if getattr(model, "_loss_tracker", None) is not None:
             install_loss_trackers(patches, model)

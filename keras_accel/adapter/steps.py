@@ -8,9 +8,12 @@ trace, for free at steady state, on every backend. It:
 - turns the Accelerator's batch `(x, y, (sample_weight, row_mask))` into what the model's own
   step expects, exactly as plain Keras would hand it over (the data contract, below);
 - counts the trace and the input shapes that caused it (`keras_accel.adapter.guard`);
+- weights a padded batch by its own real rows, counted from the row mask (`_weighted`), so
+  that training and evaluation are exact without knowing how many rows the data set has;
 - publishes the batch's row mask to BatchNormalization (`keras_accel.adapter.batchnorm`), to
-  the compiled `metrics=` (which Keras updates without sample weights) and, in training, to
-  the loss trackers, so that padding rows count nowhere.
+  the compiled `metrics=` (which Keras updates without sample weights) and to the loss
+  trackers, so that padding rows count nowhere;
+- in prediction, returns the row mask beside the outputs, to cut the padding rows after.
 
 The data contract, for built-in and custom steps alike: a step receives `(x, y)` when the
 user gave no weights and nothing is padded, `(x, y, sample_weight)` when the user gave
@@ -36,8 +39,8 @@ STEP_KINDS = ("train", "test", "predict")
 
 # The row mask of the batch being traced (1 real, 0 padding), or None where nothing pads.
 ROW_MASK: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_mask", default=None)
-# In a train step: a function of the mask giving the weight of this batch's loss in the
-# epoch average (its real row count), or None.
+# In a padded train or test step: a function of the mask giving the weight of this batch's
+# loss in the epoch average (its real row count), or None.
 _ROW_COUNT: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_count", default=None)
 
 
@@ -80,8 +83,9 @@ def install_steps(
     Args:
         contracts: the contract per step kind of this call.
         record: `record(kind, data)`, called at every trace (the recompile guard).
-        row_count: `row_count(mask)` -> the global real row count of a training batch, as
-            the weight of its loss in the epoch average; None where nothing pads.
+        row_count: `row_count(mask)` -> the global real row count of a padded batch (per
+            replica where each replica runs its own program): what its weights are scaled
+            by, and the weight of its loss in the epoch's (or evaluation's) average.
     """
     for kind in STEP_KINDS:
         original = getattr(model, f"{kind}_step")
@@ -96,6 +100,11 @@ def _wrap(model, kind, original, contracts, record, row_count):
         *state, data = args
         x, y, sample_weight, row_mask = unpack(data)
         contract = contracts.get(kind) or StepContract(pass_weights=False)
+        padded = contract.padded and row_mask is not None
+        counted = None
+        if padded and y is not None and row_count is not None:
+            counted = _once_per_trace(lambda: row_count(row_mask))
+            sample_weight = _weighted(sample_weight, row_mask, counted)
         if y is None:
             user = (x,)
         elif contract.pass_weights:
@@ -104,13 +113,10 @@ def _wrap(model, kind, original, contracts, record, row_count):
             user = (x, y)
         if not model.run_eagerly:
             record(kind, user)
-        mask_token = ROW_MASK.set(row_mask if contract.padded else None)
-        counted = None
-        if kind == "train" and contract.padded and row_count is not None:
-            counted = _once_per_trace(lambda: row_count(row_mask))
+        mask_token = ROW_MASK.set(row_mask if padded else None)
         count_token = _ROW_COUNT.set(counted)
         try:
-            return original(*state, user)
+            result = original(*state, user)
         except (ValueError, TypeError) as error:
             # Our padding weights reached a step of the user's that cannot take them.
             if len(user) == 3 and not contract.user_weighted and overrides(model, kind):
@@ -119,8 +125,28 @@ def _wrap(model, kind, original, contracts, record, row_count):
         finally:
             _ROW_COUNT.reset(count_token)
             ROW_MASK.reset(mask_token)
+        if kind == "predict" and row_mask is not None:
+            # The row mask comes back beside the outputs, batch by batch, so that the padding
+            # rows can be cut from the predictions without knowing the data's length.
+            if state:  # JAX: (outputs, non_trainable_variables).
+                outputs, *rest = result
+                return ((outputs, row_mask), *rest)
+            return result, row_mask
+        return result
 
     return step
+
+
+def _weighted(sample_weight, row_mask, counted):
+    """A padded batch's weights as the step sees them: the user's (or 1) on real rows, 0 on
+    padding, times `static rows / real rows`, so that a loss averaged over the batch
+    (Keras's `sum_over_batch_size`) is the mean over its real rows. The real rows are
+    counted from the mask, globally (`row_count`): nothing about the data set is needed."""
+    mask = ops.cast(row_mask, "float32")
+    weights = mask if sample_weight is None else ops.cast(sample_weight, "float32")
+    static = ops.cast(ops.shape(mask)[0], "float32")
+    scale = ops.divide(static, ops.cast(counted(), "float32"))
+    return ops.multiply(weights, scale)
 
 
 def _once_per_trace(fn: Callable) -> Callable:
@@ -199,8 +225,8 @@ def _masked_update(original):
 
 
 def _unscaled_update(original):
-    # In a padded training batch the real rows' weights carry static/real rows, so that the
-    # loss is the mean over real rows; a weighted metric must see the user's weights.
+    # In a padded batch the real rows' weights carry static/real rows, so that the loss is
+    # the mean over real rows; a weighted metric must see the user's weights.
     def update_state(y_true, y_pred, sample_weight=None):
         count, mask = _ROW_COUNT.get(), ROW_MASK.get()
         if count is not None and mask is not None and sample_weight is not None:
@@ -260,9 +286,9 @@ def _global_result(metric, global_result: Callable):
 
 
 def install_loss_trackers(patches: Patches, model) -> None:
-    """In a padded training step, weight each batch's loss in the epoch average by its real
-    row count, as plain Keras does (Keras weights by the batch's row count, which here is
-    the static size, padding included)."""
+    """In a padded step, weight each batch's loss in the epoch (or evaluation) average by
+    its real row count, as plain Keras does (Keras weights by the batch's row count, which
+    here is the static size, padding included)."""
     tracker = keras_internals.require(model, "_loss_tracker", "the loss tracker")
     patches.set(tracker, "update_state", _row_weighted_update(tracker.update_state))
     compile_loss = getattr(model, "_compile_loss", None)

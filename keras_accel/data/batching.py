@@ -19,13 +19,22 @@ real rows are weighted. For Keras's default loss reduction `sum_over_batch_size`
   static batch size, so this uniform factor makes the reported loss the exact mean over the
   real samples, and weighted metrics are unchanged by a uniform factor.
 
-Each input kind (numpy here, the tf.data graphs in `keras_accel.data.tfdata`) only indexes
-that table. Everything in this module is numpy and backend-free.
+Those weights are applied where the batch is consumed, not where it is made: the
+Accelerator's step wrappers (`keras_accel.adapter.steps`) scale a padded batch's weights by
+`static_rows / real_rows` of that batch, and weight its loss in the epoch average by its real
+rows. That needs nothing but the batch itself, so an input of unknown length (a streamed
+`tf.data` pipeline, a generator) is exact without being counted first. The table form
+(`BatchPlan.weight_scales`, which knows the whole data set) is what a plain `model.fit`
+gets from `Accelerator.dataset(...)`, where no wrapper of ours sees the step.
+
+A data set read as it comes has a `StreamPlan` instead: its batch size and static size from
+its first batch, its length in batches where it knows one. Everything in this module is
+numpy and backend-free.
 
 What the Accelerator's own step wrappers receive is `(x, y, (sample_weight, row_mask))`, or
-`(x,)` where there are no targets and nothing is padded; `keras_accel.adapter.steps` turns it
-into what the model's step expects: `(x, y)`, `(x, y, sample_weight)` or `(x,)`, as plain
-Keras would give it.
+`(x, row_mask)` where there are no targets; `keras_accel.adapter.steps` turns it into what
+the model's step expects: `(x, y)`, `(x, y, sample_weight)` or `(x,)`, as plain Keras would
+give it.
 """
 
 from __future__ import annotations
@@ -104,7 +113,7 @@ def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
 def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any) -> tuple:
     """The batch the Accelerator's step wrappers receive (see the module docstring)."""
     if y is None:
-        return (x,)
+        return (x,) if row_mask is None else (x, row_mask)
     return x, y, (sample_weight, row_mask)
 
 
@@ -112,6 +121,8 @@ def unpack(data: Any) -> tuple[Any, Any, Any, Any]:
     """`(x, y, sample_weight, row_mask)` from what `pack` made (None where absent)."""
     if len(data) == 1:
         return data[0], None, None, None
+    if len(data) == 2:
+        return data[0], None, None, data[1]
     x, y, (sample_weight, row_mask) = data
     return x, y, sample_weight, row_mask
 
@@ -182,6 +193,19 @@ class BatchPlan:
         return bool((self.real_rows != self.static_rows).any())
 
     @property
+    def may_pad_last(self) -> bool:
+        """Whether the last batch may be partial (where the rest are full)."""
+        return bool(self.real_rows[-1] != self.batch_size)
+
+    def describe(self) -> str:
+        """The batching in words, for messages: "230 rows in batches of 64"."""
+        return f"{self.num_samples} rows in batches of {self.batch_size}"
+
+    def weight_scale(self, index: int, real_rows: int) -> float:
+        """The factor on batch `index`'s real rows' weights (see `weight_scales`)."""
+        return float(self.weight_scales[index])
+
+    @property
     def rows_seen(self) -> int:
         """Real rows an epoch visits (fewer than `num_samples` when the remainder is dropped)."""
         return int(self.real_rows.sum())
@@ -194,8 +218,66 @@ class BatchPlan:
         return rng.permutation(self.num_samples)
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """How a data set read as it comes is batched: what its first batch says, and its length
+    in batches where the data set knows one. Its row count is never known in advance, and
+    never needed: a batch's real rows travel with it (the row mask).
+
+    Attributes:
+        batch_size: rows of the first batch, the size every full batch has.
+        static_rows: rows per batch as the compiled step sees them (a replica multiple).
+        num_batches: batches per pass, where the data set knows it; None where it does not
+            (it ends when it ends) or is infinite.
+        infinite: the data set repeats for ever (only `steps_per_epoch` ends an epoch).
+        pads: whether a batch may carry padding rows. True unless every batch is known to
+            be full and a replica multiple (a tf.data batch dimension fixed by
+            `drop_remainder=True`): a short batch is recognised when it arrives.
+        remainder: "pad" keeps a partial batch (padded); "drop" skips it when it arrives.
+        training: the weight rule of `Accelerator.dataset` for a plain `model.fit`.
+        kind: what the data set is, for messages ("tf.data.Dataset", "generator").
+    """
+
+    batch_size: int
+    static_rows: int
+    num_batches: int | None = None
+    infinite: bool = False
+    pads: bool = True
+    remainder: str = "pad"
+    training: bool = True
+    kind: str = "data set"
+
+    num_samples = None  # Never known in advance.
+
+    def __post_init__(self):
+        if self.remainder not in REMAINDER_POLICIES:
+            raise ValueError(
+                f"`remainder` must be one of {REMAINDER_POLICIES}. "
+                f"Received: remainder={self.remainder!r}"
+            )
+
+    @property
+    def may_pad_last(self) -> bool:
+        return self.pads
+
+    def describe(self) -> str:
+        length = (
+            "repeating for ever"
+            if self.infinite
+            else f"{self.num_batches} batches"
+            if self.num_batches is not None
+            else "of unknown length"
+        )
+        return f"a {self.kind} ({length}) in batches of {self.batch_size}"
+
+    def weight_scale(self, index: int, real_rows: int) -> float:
+        """The factor on a batch's real rows' weights for a plain `model.fit`: the mean over
+        its real rows (training's rule; for evaluation too, since the total is unknown)."""
+        return self.static_rows / real_rows
+
+
 def pad_batch(
-    x: Any, y: Any, sample_weight: Any, rows: int, weight_scale: float
+    x: Any, y: Any, sample_weight: Any, rows: int, weight_scale: float = 1.0
 ) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     """Pad one batch to `rows` rows: `(x, y, sample_weight, row_mask)`.
 

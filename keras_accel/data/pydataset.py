@@ -1,4 +1,6 @@
-"""A `keras.utils.PyDataset` view of static-size batches: what `model.fit` takes on any backend."""
+"""What `model.fit` takes on any backend, from batches read in Python: a `keras.utils.PyDataset`
+over indexed batches (arrays, a user's PyDataset), a generator over streamed ones (a user's
+generator, a Grain data set)."""
 
 from __future__ import annotations
 
@@ -7,17 +9,29 @@ import keras
 from keras_accel.data.batching import map_structure, pack
 
 
+def _element(batch, carry_mask: bool, rows):
+    x, y, sample_weight, row_mask = batch
+    if rows is not None:
+        x, y, sample_weight, row_mask = map_structure(
+            lambda a: a[rows], (x, y, sample_weight, row_mask)
+        )
+    if not carry_mask:
+        return (x,) if y is None else (x, y, sample_weight)
+    return pack(x, y, sample_weight, row_mask)
+
+
 class StaticBatchDataset(keras.utils.PyDataset):
     """Serves `batches.batch(i)`; `on_epoch_end` advances the batches to the next epoch.
 
     With `carry_mask=True` (what the Accelerator feeds its own step wrappers) a batch is
-    `(x, y, (sample_weight, row_mask))`; with False (`Accelerator.dataset`, for a plain
-    `model.fit`) it is Keras's `(x, y, sample_weight)`, padding rows weighted 0. Without
-    targets it is `(x,)` either way.
+    `(x, y, (sample_weight, row_mask))` (`(x, row_mask)` without targets), the user's weights
+    unscaled; with False (`Accelerator.dataset`, for a plain `model.fit`) it is Keras's
+    `(x, y, sample_weight)`, padding rows weighted 0 and real rows scaled (or `(x,)`).
 
     `rows` (a slice of each global batch) serves only this process's rows of a multi-process
     run: every process computes the same global batch (same order, same padding), then keeps
-    the rows that its devices hold.
+    the rows that its devices hold. A user's PyDataset without a length gives one without a
+    length (`num_batches` None: Keras's infinite PyDataset, ended by `steps_per_epoch`).
     """
 
     def __init__(self, batches, carry_mask: bool = True, workers: int = 1, rows=None):
@@ -27,20 +41,35 @@ class StaticBatchDataset(keras.utils.PyDataset):
         self.carry_mask = carry_mask
         self.rows = rows
 
+    @property
+    def num_batches(self):
+        if hasattr(self.batches, "num_batches"):  # None: a PyDataset without a length.
+            return self.batches.num_batches
+        return len(self.batches)
+
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, index: int):
-        x, y, sample_weight, row_mask = self.batches.batch(index)
-        if self.rows is not None:
-            x, y, sample_weight, row_mask = map_structure(
-                lambda a: a[self.rows], (x, y, sample_weight, row_mask)
-            )
-        if y is None:
-            return (x,)
-        if not self.carry_mask:
-            return x, y, sample_weight
-        return pack(x, y, sample_weight, row_mask)
+        batch = self.batches.batch(index, scale=not self.carry_mask)
+        return _element(batch, self.carry_mask, self.rows)
 
     def on_epoch_end(self) -> None:
         self.batches.on_epoch_end()
+
+
+def stream(batches, carry_mask: bool = True, rows=None):
+    """A Python generator over `batches.batches()` (`keras_accel.data.sources.
+    IterableBatches`), which Keras's `fit` reads as it reads a user's generator: epoch after
+    epoch from where it stopped, ended by `steps_per_epoch` or by the data's end."""
+
+    def generate():
+        while True:
+            produced = False
+            for batch in batches.batches(scale=not carry_mask):
+                produced = True
+                yield _element(batch, carry_mask, rows)
+            if not batches.reiterable or not produced:
+                return
+
+    return generate()

@@ -2,15 +2,18 @@
 
 - numpy arrays (and tuples, lists or dicts of them; strings included): batched, shuffled and
   padded here, one batch at a time, so the data set is never copied whole;
-- `keras.utils.PyDataset`: each of its batches is padded to the size of its first batch
-  (rounded up to a multiple of the replica count);
+- `keras.utils.PyDataset` (with or without a length), Python generators and Grain data
+  sets: read as they come, each batch padded to the size of the first batch (rounded up to
+  a multiple of the replica count), never counted first;
 - `tf.data.Dataset` (where TensorFlow is installed): see `keras_accel.data.tfdata`.
 
 A "batches" object here is backend-free: it has a `plan` (`keras_accel.data.batching.
-BatchPlan`), answers `len()` and `batch(index)` with `(x, y, sample_weight, row_mask)` numpy
-tuples, has an `epoch` counter (which `Accelerator.fit` sets at each epoch's start, so
-shuffling is a function of the epoch and resumes exactly) and an `on_epoch_end()`. The backend
-modules wrap it in what `model.fit` takes.
+BatchPlan` where the rows are known, else `StreamPlan`), `has_targets` and `weighted`, and
+serves `(x, y, sample_weight, row_mask)` numpy tuples, unscaled (the step wrappers weight
+them): by index (`batch(index)`: arrays, PyDataset) or as one pass (`batches()`:
+generators, Grain). An `epoch` counter (which `Accelerator.fit` sets at each epoch's start)
+makes shuffling a function of the epoch, so a resumed run sees the same order. The backend
+modules wrap them in what `model.fit` takes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from keras_accel.data.batching import (
     BatchPlan,
+    StreamPlan,
     check_same_length,
     map_structure,
     num_rows,
@@ -31,7 +35,7 @@ from keras_accel.data.batching import (
 
 SUPPORTED_INPUTS = (
     "numpy arrays (or tuples, lists, dicts of them; numbers or strings), "
-    "keras.utils.PyDataset, tf.data.Dataset"
+    "keras.utils.PyDataset, tf.data.Dataset, a Python generator, a Grain data set (JAX)"
 )
 
 
@@ -48,7 +52,12 @@ def is_py_dataset(value: Any) -> bool:
 
 
 def is_array_input(value: Any) -> bool:
-    return not (is_py_dataset(value) or is_tf_dataset(value))
+    return not (
+        is_py_dataset(value)
+        or is_tf_dataset(value)
+        or is_generator(value)
+        or is_grain_dataset(value)
+    )
 
 
 def to_numpy(structure: Any, name: str) -> Any:
@@ -194,9 +203,12 @@ class ArrayBatches:
     def on_epoch_end(self) -> None:
         self.epoch += 1
 
-    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, Any, Any]:
+    def batch(
+        self, index: int, epoch: int | None = None, scale: bool = False
+    ) -> tuple[Any, Any, Any, Any]:
         """Padded batch `index` of `epoch` (default: the current `self.epoch`):
-        `(x, y, sample_weight, row_mask)`."""
+        `(x, y, sample_weight, row_mask)`. `scale=True` weights it for a plain `model.fit`
+        (`BatchPlan.weight_scales`)."""
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range for {len(self)} batches")
         plan = self.plan
@@ -209,12 +221,9 @@ class ArrayBatches:
         else:
             take = lambda a: np.take(a, indices, axis=0)  # noqa: E731
         sw = None if self.sample_weight is None else take(self.sample_weight)
+        factor = plan.weight_scales[index] if scale else 1.0
         return pad_batch(
-            map_structure(take, self.x),
-            map_structure(take, self.y),
-            sw,
-            plan.static_rows,
-            plan.weight_scales[index],
+            map_structure(take, self.x), map_structure(take, self.y), sw, plan.static_rows, factor
         )
 
 
@@ -223,13 +232,15 @@ def sample_batch(batches) -> tuple[Any, Any, Any, Any]:
 
     For what has to be known of the data before a step is compiled (which accuracy a
     compiled "accuracy" means; whether a user's loss returns one value per row)."""
+    if hasattr(batches, "first_batch"):
+        return batches.first_batch()
     if hasattr(batches, "batch"):
         return batches.batch(0)
     import keras
 
     from keras_accel.data.batching import unpack
 
-    element = next(iter(batches.pipeline(carry_mask=True).take(1)))
+    element = next(iter(batches.pipeline().take(1)))
     return unpack(keras.tree.map_structure(np.asarray, element))
 
 
@@ -246,13 +257,71 @@ def standardize_element(item: Any) -> tuple[Any, Any, Any]:
     return item + (None,) * (3 - len(item))
 
 
-class PyDatasetBatches:
-    """Pads every batch of a user's `keras.utils.PyDataset` to one static size.
+def as_numpy_batch(item: Any, where: str) -> tuple[Any, Any, Any]:
+    """One batch a user's data set yielded, as numpy `(x, y, sample_weight)`."""
+    x, y, sw = standardize_element(item)
+    return to_numpy(x, "x"), to_numpy(y, "y"), standardize_sample_weight(sw)
 
-    The static size is the first batch's row count rounded up to a replica multiple. Batches
-    other than the last must all have that first size; the last may be smaller. To weight
-    evaluation exactly the total row count is needed, so the last batch is read once up
-    front (one extra batch load).
+
+class _Padder:
+    """Pads the batches a user's data set yields, one at a time, as they come.
+
+    Every batch is padded to the static size (the first batch's rows, rounded up to a
+    replica multiple) and carries its row mask; one larger than the first is an error, one
+    smaller is a partial batch: padded, or skipped under remainder="drop" (training only)."""
+
+    def __init__(self, first: tuple, *, num_replicas: int, remainder: str, kind: str):
+        x0, y0, sw0 = first
+        self.first_rows = num_rows(x0)
+        if self.first_rows < 1:
+            raise ValueError(f"The first batch of the {kind} has no rows.")
+        self.has_targets = y0 is not None
+        self.weighted = sw0 is not None
+        self.static_rows = static_batch_size(self.first_rows, num_replicas)
+        self.remainder = remainder
+        self.kind = kind
+
+    def check(self, batch: tuple, where: str) -> bool:
+        """Whether `batch` is served (False: a partial batch that "drop" skips)."""
+        x, y, sw = batch
+        rows = num_rows(x)
+        if rows > self.static_rows:
+            raise ValueError(
+                f"{where} of the {self.kind} has {rows} rows, more than its first batch "
+                f"({self.first_rows} rows): keras_accel compiles the step for the first "
+                "batch's size and pads smaller batches up to it. Batch the data with one "
+                "batch size, or put the largest batch first."
+            )
+        if (y is None) != (not self.has_targets) or (sw is None) != (not self.weighted):
+            raise ValueError(
+                f"{where} of the {self.kind} is {_shape_of(batch)} but its first batch was "
+                f"{_shape_of((x, self.has_targets or None, self.weighted or None))}: every "
+                "batch must have the same structure."
+            )
+        return not (self.remainder == "drop" and rows < self.first_rows)
+
+    def pad(self, batch: tuple, scale: bool = False, plan=None, index: int = 0) -> tuple:
+        x, y, sw = batch
+        factor = plan.weight_scale(index, num_rows(x)) if scale else 1.0
+        return pad_batch(x, y, sw, self.static_rows, factor)
+
+
+def _shape_of(batch: tuple) -> str:
+    x, y, sw = batch
+    parts = ["x"] + (["y"] if y is not None else []) + (["sample_weight"] if sw is not None else [])
+    return "(" + ", ".join(parts) + ")"
+
+
+class PyDatasetBatches:
+    """A user's `keras.utils.PyDataset`, every batch padded to one static size as it is read.
+
+    The static size is the first batch's rows rounded up to a replica multiple; any batch
+    may be smaller (it is padded, and weighted by its real rows where it is consumed). The
+    PyDataset may have no length (`num_batches` None: Keras's infinite PyDataset, ended by
+    `steps_per_epoch`). With `shuffle=True` (Keras's default in `fit`) the batch order is a
+    new permutation every epoch, as Keras's own PyDataset adapter draws it, here a function
+    of (seed, epoch) so that a resumed run sees the same order. Nothing is read in advance
+    but the first batch (and, under remainder="drop", the last: whether it is partial).
     """
 
     def __init__(
@@ -262,46 +331,190 @@ class PyDatasetBatches:
         num_replicas: int,
         remainder: str = "pad",
         training: bool = True,
+        shuffle: bool = False,
+        seed: int | None = None,
     ):
         self.source = dataset
         count = dataset.num_batches
-        if count is None:
-            raise ValueError(
-                "An infinite PyDataset (num_batches=None) has no last batch to pad and no "
-                "length to weight by. Give it a __len__, or pass steps to keras directly."
-            )
-        if count < 1:
+        if count is not None and count < 1:
             raise ValueError(f"The PyDataset is empty. Received: len(dataset)={count}")
-        x0, y0, sw0 = standardize_element(dataset[0])
-        first = num_rows(x0)
-        last = first if count == 1 else num_rows(standardize_element(dataset[count - 1])[0])
-        self.first_rows = first
-        self.has_targets = y0 is not None
-        self.weighted = sw0 is not None
-        self.plan = BatchPlan(
-            num_samples=(count - 1) * first + last,
-            batch_size=first,
-            static_rows=static_batch_size(first, num_replicas),
+        self._padder = _Padder(
+            as_numpy_batch(dataset[0], "batch 0"),
+            num_replicas=num_replicas,
+            remainder=remainder,
+            kind="PyDataset",
+        )
+        self.has_targets = self._padder.has_targets
+        self.weighted = self._padder.weighted
+        self.count = count
+        if remainder == "drop" and count is not None:
+            last = count - 1
+            if last and num_rows(as_numpy_batch(dataset[last], f"batch {last}")[0]) < (
+                self._padder.first_rows
+            ):
+                self.count = count - 1
+            self._padder.remainder = "pad"  # Only the last batch may be partial: known now.
+        elif remainder == "drop":
+            raise ValueError(
+                "remainder='drop' needs to know which batch is the last, and this PyDataset "
+                "has no length (num_batches=None). Give it a __len__, or use remainder='pad'."
+            )
+        self.plan = StreamPlan(
+            batch_size=self._padder.first_rows,
+            static_rows=self._padder.static_rows,
+            num_batches=self.count,
+            infinite=count is None,
             remainder=remainder,
             training=training,
+            kind="PyDataset",
         )
-        self.epoch = 0  # The user's PyDataset shuffles itself, in its on_epoch_end().
+        self.shuffle = bool(shuffle) and count is not None
+        self._orders: dict = {}
+        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
+        self.epoch = 0  # Set by Accelerator.fit at each epoch's start.
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.count
 
     def __len__(self) -> int:
-        return self.plan.num_batches
+        if self.count is None:
+            raise TypeError("An infinite PyDataset (num_batches=None) has no length.")
+        return self.count
 
-    def batch(self, index: int, epoch: int | None = None) -> tuple[Any, Any, Any, Any]:
-        x, y, sw = standardize_element(self.source[index])
-        x, y = to_numpy(x, "x"), to_numpy(y, "y")
-        rows = num_rows(x)
-        if rows != self.first_rows and index != self.source.num_batches - 1:
-            raise ValueError(
-                f"Batch {index} of the PyDataset has {rows} rows but its first batch has "
-                f"{self.first_rows}. keras_accel pads only the last batch of a PyDataset: "
-                "make every other batch the same size."
-            )
-        sw = standardize_sample_weight(sw)
-        return pad_batch(x, y, sw, self.plan.static_rows, self.plan.weight_scales[index])
+    def source_index(self, index: int) -> int:
+        if not self.shuffle:
+            return index
+        epoch = self.epoch
+        order = self._orders.get(epoch)
+        if order is None:  # Batches of one epoch may be read from several threads.
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+            self._orders = {epoch: order}
+        return int(order[index])
+
+    def batch(self, index: int, epoch: int | None = None, scale: bool = False):
+        """Padded batch `index` of the current epoch: `(x, y, sample_weight, row_mask)`.
+        `scale=True` weights it for a plain `model.fit` (`StreamPlan.weight_scale`)."""
+        if self.count is not None and not 0 <= index < self.count:
+            raise IndexError(f"batch index {index} out of range for {self.count} batches")
+        where = self.source_index(index)
+        batch = as_numpy_batch(self.source[where], f"batch {where}")
+        self._padder.check(batch, f"Batch {where}")
+        return self._padder.pad(batch, scale, self.plan, index)
+
+    def first_batch(self):
+        return (
+            self.batch(0)
+            if not self.shuffle
+            else self._padder.pad(as_numpy_batch(self.source[0], "batch 0"))
+        )
 
     def on_epoch_end(self) -> None:
         self.source.on_epoch_end()
+
+
+def is_generator(value: Any) -> bool:
+    """A Python generator, as Keras's `fit` takes one (`types.GeneratorType`)."""
+    import types
+
+    return isinstance(value, types.GeneratorType)
+
+
+def is_grain_dataset(value: Any) -> bool:
+    """A Grain `MapDataset`, `IterDataset` or `DataLoader`, found by module name so that
+    keras_accel never imports Grain itself."""
+    for parent in type(value).__mro__:
+        module = parent.__module__ or ""
+        if module.split(".")[0] == "grain" and parent.__name__ in (
+            "MapDataset",
+            "IterDataset",
+            "DataLoader",
+        ):
+            return True
+    return False
+
+
+class IterableBatches:
+    """Batches of a Python generator (or a Grain data set), padded as they come.
+
+    Only the first batch is read before training (for its size and structure). A generator
+    is read on from where the last epoch stopped, as Keras reads one (with
+    `steps_per_epoch`, or once to its end); a re-iterable source (Grain) starts afresh every
+    epoch. `rows` keeps one process's rows of every global batch (several processes read
+    the same stream and keep their share).
+    """
+
+    def __init__(
+        self, source: Any, *, num_replicas: int, remainder: str = "pad", training: bool = True
+    ):
+        self.kind = "generator" if is_generator(source) else type(source).__name__
+        self.source = source
+        self._iterator = iter(source)
+        self.reiterable = self._iterator is not source and not is_generator(source)
+        try:
+            first = next(self._iterator)
+        except StopIteration:
+            raise ValueError(
+                f"The {self.kind} is empty: it yielded no batch. Received: {source!r}"
+            ) from None
+        self._first = first
+        self._padder = _Padder(
+            as_numpy_batch(first, "batch 0"),
+            num_replicas=num_replicas,
+            remainder=remainder if training else "pad",
+            kind=self.kind,
+        )
+        self.has_targets = self._padder.has_targets
+        self.weighted = self._padder.weighted
+        length = None
+        if self.reiterable:
+            try:
+                length = len(source)
+            except TypeError:
+                length = None
+        self.plan = StreamPlan(
+            batch_size=self._padder.first_rows,
+            static_rows=self._padder.static_rows,
+            num_batches=length if remainder == "pad" else None,
+            remainder=remainder,
+            training=training,
+            kind=self.kind,
+        )
+        self.epoch = 0
+        self._started = False
+
+    def first_batch(self):
+        return self._padder.pad(as_numpy_batch(self._first, "batch 0"))
+
+    def _elements(self):
+        # The first batch was read to learn the batch size: it is served first, once.
+        if not self._started:
+            self._started = True
+            import itertools
+
+            return itertools.chain([self._first], self._iterator)
+        if self.reiterable:
+            return iter(self.source)
+        return self._iterator
+
+    def batches(self, scale: bool = False):
+        """The padded batches of one pass: `(x, y, sample_weight, row_mask)` tuples."""
+        index = 0
+        for position, element in enumerate(self._elements()):
+            batch = as_numpy_batch(element, f"batch {position}")
+            if not self._padder.check(batch, f"Batch {position}"):
+                continue
+            yield self._padder.pad(batch, scale, self.plan, index)
+            index += 1
+
+
+def refuse_preprocessing(batches, preprocess) -> None:
+    """A keras-hub task's preprocessing runs in tf.data (as keras-hub's own `fit` runs it);
+    a generator's batches never pass through a pipeline of ours."""
+    if preprocess is not None:
+        raise ValueError(
+            f"A keras-hub task's preprocessing (raw inputs in) runs over arrays or a "
+            f"tf.data.Dataset. Received: a {batches.plan.kind}. Pass the arrays, or a "
+            "tf.data.Dataset of raw inputs, or preprocess in the generator and give the "
+            "task's backbone model instead."
+        )

@@ -4,22 +4,20 @@ Two sources, one padding function:
 
 - `array_pipeline`: in-memory arrays (`keras_accel.data.sources.ArrayBatches`), batched and
   shuffled in the graph, no Python in the pipeline;
-- `StaticTFBatches`: a user's batched `tf.data.Dataset`.
+- `TFDatasetBatches`: a user's batched `tf.data.Dataset`, streamed (never counted first).
 
 Both hand every batch's real rows to `_padded`, which optionally runs a model's own
 preprocessing first (a keras-hub task's `preprocess_samples`: raw strings in, token ids out),
-then pads to the static size and weights the rows by indexing the batch plan's table
-(`keras_accel.data.batching.BatchPlan.weight_scales`).
+then pads to the static size and adds the row mask (see `keras_accel.data.batching`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import tensorflow as tf
 
-from keras_accel.data.batching import BatchPlan, pack, static_batch_size
+from keras_accel.data.batching import StreamPlan, pack, static_batch_size
 from keras_accel.data.sources import ArrayBatches, standardize_element
 
 Preprocess = Callable | None
@@ -32,31 +30,50 @@ def _rows(x):
 def _pad_leaf(t, static: int):
     t = tf.convert_to_tensor(t)
     rows = tf.shape(t)[0]
+    tf.debugging.assert_less_equal(
+        rows,
+        static,
+        message=(
+            f"keras_accel: a batch has more rows than the first batch ({static} rows, rounded "
+            "up to a replica multiple): the step is compiled for the first batch's size and "
+            "smaller batches are padded up to it. Batch the data set with one batch size "
+            "(`dataset.batch(n)`)"
+        ),
+    )
     fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
     padded = tf.pad(t, [[0, static - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
     return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
 
 
-def _padded(plan: BatchPlan, carry_mask: bool, preprocess: Preprocess, scaled: bool = True):
+def _padded(static: int, carry_mask: bool, preprocess: Preprocess, scales=None):
     """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it.
 
-    `scaled=False` keeps the user's weights as they are (1 where none were given; 0 on
-    padding): for steps that divide by the real rows themselves (`keras_accel.loop`)."""
-    static = plan.static_rows
-    scales = tf.constant(plan.weight_scales if scaled else np.ones_like(plan.weight_scales))
+    With `carry_mask` (the Accelerator's own steps, `keras_accel.loop`) a batch carries the
+    user's weights as they are (1 where none were given; 0 on padding) and the row mask: the
+    step weights it. Without (`Accelerator.dataset`, for a plain `model.fit`) the weights are
+    scaled here: by the batch plan's table `scales` where the data set's rows are known,
+    else by the batch's own `static / real rows`."""
+    table = None if scales is None else tf.constant(scales, tf.float32)
 
     def fn(index, x, y, sample_weight):
         if preprocess is not None:
             x, y, sample_weight = standardize_element(preprocess(x, y, sample_weight))
         pad = lambda t: _pad_leaf(t, static)  # noqa: E731
-        if y is None:
-            return (tf.nest.map_structure(pad, x),)
         rows = _rows(x)
-        scale = tf.gather(scales, index)
+        if y is None:
+            if not carry_mask:
+                return (tf.nest.map_structure(pad, x),)
+            return pack(tf.nest.map_structure(pad, x), None, None, pad(tf.ones([rows])))
         if sample_weight is None:
-            weights = tf.fill([rows], scale)
+            weights = tf.ones([rows], tf.float32)
         else:
-            weights = tf.cast(sample_weight, tf.float32) * scale
+            weights = tf.cast(sample_weight, tf.float32)
+        if not carry_mask:
+            if table is not None:
+                scale = tf.gather(table, index)
+            else:
+                scale = tf.cast(static, tf.float32) / tf.cast(rows, tf.float32)
+            weights = weights * scale
         x, y, weights = (tf.nest.map_structure(pad, t) for t in (x, y, weights))
         if not carry_mask:
             return x, y, weights
@@ -82,7 +99,6 @@ def array_pipeline(
     batches: ArrayBatches,
     carry_mask: bool = True,
     preprocess: Preprocess = None,
-    scaled: bool = True,
 ) -> tf.data.Dataset:
     """Static padded batches over in-memory arrays, computed entirely in the tf.data graph.
 
@@ -106,7 +122,7 @@ def array_pipeline(
     batches.epoch_listeners.append(lambda value: epoch.assign(value))
     seed = tf.constant(batches.seed % 2**63, tf.int64)
     real_rows = tf.constant(plan.real_rows)
-    pad = _padded(plan, carry_mask, preprocess, scaled)
+    pad = _padded(plan.static_rows, carry_mask, preprocess, plan.weight_scales)
 
     def load(index):
         positions = index * rows + tf.range(tf.gather(real_rows, index), dtype=tf.int64)
@@ -128,11 +144,16 @@ def array_pipeline(
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
-class StaticTFBatches:
-    """A user's batched tf.data pipeline, each batch padded to one static size in the graph.
+class TFDatasetBatches:
+    """A user's batched tf.data pipeline, streamed: each batch padded to one static size in
+    the graph as it comes, never counted first.
 
-    Weighting evaluation exactly needs the total row count, and predicting needs each batch's
-    row count, so construction makes one counting pass over the pipeline.
+    The batch size is read from the pipeline's graph (the `batch` transformation, as Keras's
+    own multi-process sharding reads it), else from its first batch. The length is the
+    pipeline's cardinality where tf.data knows it (finite, infinite, or unknown: then an
+    epoch ends where the data ends, or at `steps_per_epoch`). A short batch is recognised
+    where it arrives and padded; its real rows travel with it as the row mask, which is all
+    the step needs to weight it exactly.
     """
 
     def __init__(
@@ -141,44 +162,66 @@ class StaticTFBatches:
         spec = dataset.element_spec
         self.has_targets = isinstance(spec, tuple) and len(spec) >= 2
         self.weighted = isinstance(spec, tuple) and len(spec) == 3
-        sizes = [int(n) for n in dataset.map(lambda *e: _rows(_element(e)[0]))]
-        if not sizes:
-            raise ValueError("The tf.data.Dataset is empty: it yielded no batch.")
-        first = sizes[0]
-        odd = [i for i, n in enumerate(sizes[:-1]) if n != first]
-        if odd:
-            raise ValueError(
-                f"Batch {odd[0]} of the tf.data.Dataset has {sizes[odd[0]]} rows but the first "
-                f"has {first}. keras_accel pads only the last batch: batch the data set with "
-                "one batch size (`dataset.batch(n)`)."
-            )
         self.source = dataset
-        self.plan = BatchPlan(
-            num_samples=sum(sizes),
-            batch_size=first,
-            static_rows=static_batch_size(first, num_replicas),
-            remainder=remainder,
+        fixed = _fixed_batch_size(spec)
+        rows = fixed or _graph_batch_size(dataset) or self._first_rows()
+        static = static_batch_size(rows, num_replicas)
+        cardinality = int(dataset.cardinality())
+        if cardinality == 0:
+            raise ValueError("The tf.data.Dataset is empty: its cardinality is 0.")
+        self.remainder = "pad" if fixed else remainder
+        self.plan = StreamPlan(
+            batch_size=rows,
+            static_rows=static,
+            num_batches=cardinality if cardinality > 0 and self.remainder == "pad" else None,
+            infinite=cardinality == tf.data.INFINITE_CARDINALITY,
+            pads=not (fixed and static == fixed),
+            remainder=self.remainder,
             training=training,
+            kind="tf.data.Dataset",
         )
 
-    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None, scaled=True):
-        pad = _padded(self.plan, carry_mask, preprocess, scaled)
-        # A known length lets Keras stop by count, not by an end-of-data error inside a
-        # replicated step (which aborts MirroredStrategy's collectives).
-        dataset = self.source.take(self.plan.num_batches).apply(
-            tf.data.experimental.assert_cardinality(self.plan.num_batches)
-        )
-        return (
-            dataset.enumerate()
-            .map(
-                lambda index, *e: pad(index, *_element(e)),
-                num_parallel_calls=tf.data.AUTOTUNE,
-            )
-            .prefetch(tf.data.AUTOTUNE)
-        )
+    def _first_rows(self) -> int:
+        # One batch read before training, where the graph does not say the batch size.
+        for element in self.source.take(1):
+            return int(_rows(_element(element if isinstance(element, tuple) else (element,))[0]))
+        raise ValueError("The tf.data.Dataset is empty: it yielded no batch.")
+
+    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
+        pad = _padded(self.plan.static_rows, carry_mask, preprocess)
+        dataset = self.source
+        if self.remainder == "drop":
+            full = self.plan.batch_size
+            dataset = dataset.filter(lambda *e: _rows(_element(e)[0]) >= full)
+        return dataset.map(
+            lambda *e: pad(None, *_element(e)), num_parallel_calls=tf.data.AUTOTUNE
+        ).prefetch(tf.data.AUTOTUNE)
 
     def __len__(self) -> int:
+        if self.plan.num_batches is None:
+            raise TypeError(f"{self.plan.describe()} has no known length.")
         return self.plan.num_batches
+
+
+def _fixed_batch_size(spec) -> int | None:
+    """The batch dimension where the element spec fixes it (`batch(n, drop_remainder=True)`)."""
+    leaves = [leaf for leaf in tf.nest.flatten(spec) if hasattr(leaf, "shape")]
+    dims = {leaf.shape[0] if leaf.shape.rank else None for leaf in leaves}
+    if len(dims) == 1 and None not in dims:
+        return int(dims.pop())
+    return None
+
+
+def _graph_batch_size(dataset) -> int | None:
+    """The batch size of the pipeline's `batch` transformation, read from its graph without
+    reading data (what Keras's multi-process `distribute_dataset` uses); None if unknown."""
+    try:
+        from tensorflow.python.data.experimental.ops import distribute
+
+        size = int(distribute.compute_batch_size(dataset))
+    except Exception:  # Not a pipeline this TensorFlow can analyse: read one batch instead.
+        return None
+    return size if size > 0 else None
 
 
 def _element(element: tuple):

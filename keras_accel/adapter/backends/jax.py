@@ -15,8 +15,9 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import overrides_any_step
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.batching import flatten
-from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+from keras_accel.data.pydataset import StaticBatchDataset, stream
+from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
+from keras_accel.data.sources import refuse_preprocessing as _refuse_preprocessing
 from keras_accel.utils import keras_internals
 
 HEARTBEAT_TIMEOUT_S = int(os.environ.get("KERAS_ACCEL_HEARTBEAT_TIMEOUT", "100"))
@@ -152,7 +153,6 @@ class Runtime:
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.native is not None and jax.process_count() > 1:
-            _install_replicated_predictions(patches, model, self.native)
             # Keras runs batch-end callbacks in a thread pool where no callback needs them
             # in order; their reads of the logs, beside the main thread's next dispatches,
             # deadlocked two processes' collectives (reproduced: the quickstart under
@@ -167,6 +167,10 @@ class Runtime:
             patches, model, first_batch, overrides_a_step=overrides_any_step(model)
         )
 
+    def install_outer(self, patches: Patches, model) -> None:
+        if self.native is not None and jax.process_count() > 1:
+            _install_replicated_predictions(patches, model, self.native)
+
     def row_count(self, row_mask):
         return ops.sum(row_mask)
 
@@ -174,6 +178,9 @@ class Runtime:
         if preprocess is None:
             _refuse_text(batches)
         rows = self.process_rows(batches.plan.static_rows)
+        if isinstance(batches, IterableBatches):
+            _refuse_preprocessing(batches, preprocess)
+            return stream(batches, carry_mask=carry_mask, rows=rows)
         if isinstance(batches, PyDatasetBatches) or (
             isinstance(batches, ArrayBatches) and preprocess is None
         ):

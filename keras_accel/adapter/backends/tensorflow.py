@@ -15,8 +15,8 @@ from keras_accel.adapter import guard
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
-from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches
+from keras_accel.data.pydataset import StaticBatchDataset, stream
+from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
@@ -393,15 +393,18 @@ class Runtime:
 
         if isinstance(batches, ArrayBatches):
             pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
-        elif isinstance(batches, tfdata.StaticTFBatches):
+        elif isinstance(batches, tfdata.TFDatasetBatches):
             pipeline = batches.pipeline(carry_mask, preprocess)
         elif self.plan.strategy == "multi_worker":
             raise ValueError(
                 "Under MultiWorkerMirroredStrategy keras_accel feeds each worker its rows of "
-                "every global batch through tf.data; a keras.utils.PyDataset has no tf.data "
-                f"form here. Received: {type(batches.source).__name__}. Pass arrays or a "
-                "tf.data.Dataset."
+                "every global batch through tf.data; a keras.utils.PyDataset or a generator "
+                f"has no tf.data form here. Received: {type(batches.source).__name__}. Pass "
+                "arrays or a tf.data.Dataset."
             )
+        elif isinstance(batches, IterableBatches):
+            refuse_preprocessing(batches, preprocess)
+            return stream(batches, carry_mask=carry_mask)  # Keras's route for generators.
         else:
             # A user's PyDataset: Keras's own route (tf.data from a generator).
             return StaticBatchDataset(batches, carry_mask=carry_mask)

@@ -13,7 +13,12 @@ from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.data.batching import pack, unpack
-from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+from keras_accel.data.sources import (
+    ArrayBatches,
+    IterableBatches,
+    PyDatasetBatches,
+    refuse_preprocessing,
+)
 
 
 class Steps:
@@ -79,13 +84,15 @@ class Steps:
         return jax.sharding.NamedSharding(distribution.device_mesh.backend_mesh, spec)
 
     def _host_batches(self, batches):
-        """Each batch as host arrays: `(x,)`, or `pack(x, y, weights, mask)` with the user's
-        weights (the loop divides by the global batch's real rows itself)."""
+        """Each batch as host arrays: `pack(x, y, weights, mask)` with the user's weights
+        (the loop divides by the global batch's real rows itself), or `(x, mask)`."""
         from keras_accel.adapter.accelerator import _preprocessor
 
         preprocess = _preprocessor(self.loop.model)
-        scales = batches.plan.weight_scales
-        if preprocess is None and isinstance(batches, (ArrayBatches, PyDatasetBatches)):
+        if isinstance(batches, IterableBatches):
+            refuse_preprocessing(batches, preprocess)
+            elements = batches.batches()
+        elif preprocess is None and isinstance(batches, (ArrayBatches, PyDatasetBatches)):
             elements = (batches.batch(i) for i in range(len(batches)))
         else:
             # A tf.data pipeline read as numpy: a user's data set, or keras-hub's
@@ -97,11 +104,7 @@ class Steps:
             else:
                 dataset = batches.pipeline(True, preprocess)
             elements = (unpack(e) for e in dataset.as_numpy_iterator())
-        for index, (x, y, weights, mask) in enumerate(elements):
-            if y is None:
-                yield (x,)
-                continue
-            weights = np.asarray(weights, "float32") / np.float32(scales[index])
+        for x, y, weights, mask in elements:
             yield pack(x, y, weights, mask)
 
     # ------------------------------------------------------------------ state

@@ -13,7 +13,7 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.data import tfdata
 from keras_accel.data.batching import unpack
-from keras_accel.data.sources import ArrayBatches, PyDatasetBatches
+from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
 
 
 class Steps:
@@ -53,8 +53,8 @@ class Steps:
         # keras-hub's preprocessing (raw strings in) runs in the pipeline, as in its fit.
         preprocess = _preprocessor(self.loop.model)
         if isinstance(batches, ArrayBatches):
-            dataset = tfdata.array_pipeline(batches, True, preprocess, scaled=False)
-        elif isinstance(batches, PyDatasetBatches):
+            dataset = tfdata.array_pipeline(batches, True, preprocess)
+        elif isinstance(batches, (PyDatasetBatches, IterableBatches)):
             if preprocess is not None:
                 raise ValueError(
                     "A keras-hub task's preprocessing runs over arrays or a tf.data.Dataset "
@@ -63,7 +63,7 @@ class Steps:
                 )
             dataset = _from_py_dataset(batches)
         else:
-            dataset = batches.pipeline(True, preprocess, scaled=False)
+            dataset = batches.pipeline(True, preprocess)
         if self.strategy is None:
             return dataset
         if self.runtime.plan.strategy == "multi_worker":  # Each worker reads its rows.
@@ -205,24 +205,21 @@ def _fused(step):
     return steps
 
 
-def _from_py_dataset(batches: PyDatasetBatches) -> tf.data.Dataset:
+def _from_py_dataset(batches) -> tf.data.Dataset:
+    """The padded batches of a PyDataset or a generator as a tf.data pipeline."""
     from keras_accel.data.batching import pack
 
-    scales = batches.plan.weight_scales
-
-    def element(index):
-        x, y, weights, mask = batches.batch(index)
-        if y is None:
-            return (x,)
-        return pack(x, y, np.asarray(weights, "float32") / np.float32(scales[index]), mask)
-
-    first = element(0)
+    if isinstance(batches, IterableBatches):
+        elements = lambda: batches.batches()  # noqa: E731
+    else:
+        elements = lambda: (batches.batch(i) for i in range(len(batches)))  # noqa: E731
+    first = pack(*batches.first_batch())
     signature = tf.nest.map_structure(
         lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)), first
     )
 
     def generate():
-        for index in range(len(batches)):
-            yield element(index)
+        for batch in elements():
+            yield pack(*batch)
 
     return tf.data.Dataset.from_generator(generate, output_signature=signature)
