@@ -137,6 +137,11 @@ class LoopBatches:
 
     def __len__(self) -> int:
         """Iterations: batches, or groups of them when fused."""
+        if self.plan.num_batches is None:
+            raise TypeError(
+                f"These batches have no length: {self.plan.describe()}. Iterate them (the "
+                "epoch ends where the data ends), or pass a data set that knows its length."
+            )
         return -(-self.plan.num_batches // self.steps_per_execution)
 
     def __iter__(self):
@@ -363,13 +368,14 @@ class CustomLoop:
     def predict(self, x: Any, batch_size: int | None = None):
         """The model's outputs for every row of `x`, in order, as numpy arrays."""
         batches = self.batches(x, None, batch_size, training=False)
-        outputs = [
-            keras.tree.map_structure(np.asarray, self._backend.to_host(self.predict_step(b)))
-            for b in batches
-        ]
-        from keras_accel.adapter.accelerator import _real_rows
-
-        keep = _real_rows(batches.plan)
+        outputs, masks = [], []
+        for b in batches:
+            outputs.append(
+                keras.tree.map_structure(np.asarray, self._backend.to_host(self.predict_step(b)))
+            )
+            masks.append(self._backend.row_mask(b))
+        # Each batch's row mask says which of its rows are real: no length needed.
+        keep = np.concatenate(masks).reshape(-1) > 0
         return keras.tree.map_structure(
             lambda *parts: np.concatenate(parts, axis=0)[keep], *outputs
         )

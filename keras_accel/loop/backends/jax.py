@@ -270,6 +270,15 @@ class Steps:
     def to_host(self, outputs):
         return jax.tree_util.tree_map(np.asarray, outputs)
 
+    def row_mask(self, batch) -> np.ndarray:
+        """The row mask of a placed prediction batch `(x, mask)`, whole, on the host."""
+        mask = unpack(batch)[3]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(mask, tiled=True))
+        return np.asarray(mask)
+
 
 def _place(array: np.ndarray, sharding):
     """A host array (the same on every process) laid out as `sharding`. Across processes

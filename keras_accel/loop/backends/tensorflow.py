@@ -43,6 +43,12 @@ class Steps:
         from keras_accel.loop import StepGroup
 
         iterator = iter(self.distributed(batches, training))
+        if batches.plan.num_batches is None:
+            raise ValueError(
+                f"steps_per_execution={n} groups an epoch's batches, which needs its length, "
+                f"but the batches are {batches.plan.describe()}. Use steps_per_execution=1 "
+                "for this data, or a data set that knows its length."
+            )
         total = len(batches)
         for start in range(0, total, n):
             yield StepGroup(iterator, min(n, total - start))
@@ -189,6 +195,15 @@ class Steps:
 
     def to_host(self, outputs):
         return tf.nest.map_structure(lambda t: np.asarray(t), outputs)
+
+    def row_mask(self, batch) -> np.ndarray:
+        """The row mask of a distributed prediction batch `(x, mask)`, in row order (the
+        replicas hold consecutive slices of the global batch)."""
+        mask = unpack(batch)[3]
+        if self.strategy is None:
+            return np.asarray(mask)
+        parts = self.strategy.experimental_local_results(mask)
+        return np.concatenate([np.asarray(part) for part in parts])
 
 
 def _fused(step):
