@@ -1,16 +1,75 @@
 #!/usr/bin/env bash
 # Run the whole suite: ruff, then pytest under each Keras backend with 8 virtual CPU devices.
 # Usage: bash scripts/test.sh [extra pytest args]
+#
+# The backends run side by side, one pytest process each: TensorFlow's run is mostly one
+# thread tracing 8-replica programs, so JAX's fits beside it, and the suite takes about as
+# long as the TensorFlow run alone. Each run's output goes to its own log, printed whole when
+# that run ends (the first to finish first). KERAS_ACCEL_TEST_SEQUENTIAL=1 runs them one
+# after the other with their output as it comes; so does a single backend
+# (KERAS_ACCEL_TEST_BACKENDS=jax).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=3 PYTHONDONTWRITEBYTECODE=1
 python -m ruff check . || exit 1
-status=0
-for backend in ${KERAS_ACCEL_TEST_BACKENDS:-jax tensorflow}; do
-  echo "=== KERAS_BACKEND=$backend, 8 virtual CPU devices"
+read -r -a backends <<<"${KERAS_ACCEL_TEST_BACKENDS:-jax tensorflow}"
+if [ "${#backends[@]}" -eq 0 ]; then echo "!!! KERAS_ACCEL_TEST_BACKENDS names no backend"; exit 1; fi
+
+run_backend() {  # backend [pytest args]: one pytest run, 8 virtual CPU devices.
+  local backend=$1
+  shift
   KERAS_BACKEND=$backend KERAS_ACCEL_TEST_DEVICES=8 python -m pytest -q -p no:cacheprovider "$@"
-  rc=$?
-  # pytest exits 5 when nothing was collected: that is a failure of the suite, not a pass.
-  if [ "$rc" -ne 0 ]; then echo "!!! $backend suite failed (pytest exit $rc)"; status=1; fi
+}
+
+failed() {  # backend exit-status: pytest exits 5 when nothing was collected, a failure too.
+  if [ "$2" -ne 0 ]; then echo "!!! $1 suite failed (pytest exit $2)"; return 0; fi
+  return 1
+}
+
+status=0
+if [ "${#backends[@]}" -eq 1 ] || [ "${KERAS_ACCEL_TEST_SEQUENTIAL:-0}" = 1 ]; then
+  for backend in "${backends[@]}"; do
+    echo "=== KERAS_BACKEND=$backend, 8 virtual CPU devices"
+    run_backend "$backend" "$@"
+    rc=$?
+    if failed "$backend" "$rc"; then status=1; fi
+  done
+  exit $status
+fi
+
+logs=$(mktemp -d "${TMPDIR:-/tmp}/keras-accel-tests.XXXXXX")
+declare -A backend_of=()
+pids=()
+stop() {  # Interrupted: stop every run still going (its pytest and what that started).
+  trap - INT TERM
+  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; done
+  wait
+  rm -rf "$logs"
+  exit 130
+}
+trap stop INT TERM
+started=$SECONDS
+set -m  # Each run in its own process group, so that stop() reaches its children too.
+for backend in "${backends[@]}"; do
+  run_backend "$backend" "$@" >"$logs/$backend.log" 2>&1 &
+  backend_of[$!]=$backend
+  pids+=("$!")
 done
+set +m
+echo "=== ${backends[*]} side by side, 8 virtual CPU devices each (logs in $logs)"
+running=("${pids[@]}")
+while [ "${#running[@]}" -gt 0 ]; do
+  pid=
+  wait -n -p pid "${running[@]}"
+  rc=$?
+  if [ -z "$pid" ]; then echo "!!! lost track of the pytest runs (wait exit $rc)"; stop; fi
+  backend=${backend_of[$pid]}
+  remaining=()
+  for other in "${running[@]}"; do [ "$other" = "$pid" ] || remaining+=("$other"); done
+  running=("${remaining[@]}")
+  echo "=== KERAS_BACKEND=$backend, 8 virtual CPU devices: ended after $((SECONDS - started)) s"
+  cat "$logs/$backend.log"
+  if failed "$backend" "$rc"; then status=1; fi
+done
+rm -rf "$logs"
 exit $status
