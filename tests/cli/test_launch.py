@@ -65,14 +65,17 @@ def test_a_failure_stops_the_others_and_is_named(tmp_path):
         import os, time
         if os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] == "1":
             raise SystemExit(3)
-        time.sleep(60)
+        time.sleep(300)
         """,
         "-n",
         "2",
         "--grace",
         "5",
+        timeout=240,
     )
-    assert time.monotonic() - started < 30  # Not the survivor's 60 s.
+    # Not the survivor's 300 s; the margin holds on a loaded machine (the suite runs both
+    # backends side by side, and the launcher and its children start Python each).
+    assert time.monotonic() - started < 120
     assert result.returncode == 3
     assert "process 1 (pid" in result.stderr and "failed: exit code 3" in result.stderr
     assert "exit codes [-15, 3]" in result.stderr  # The survivor was stopped by SIGTERM.
@@ -130,7 +133,7 @@ def test_sigterm_to_the_launcher_reaches_every_process(tmp_path):
             sys.exit(143)
         signal.signal(signal.SIGTERM, stop)
         pathlib.Path({str(ready)!r} + os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]).touch()
-        time.sleep(60)
+        time.sleep(300)
         """,
         "-n",
         "2",
@@ -138,12 +141,12 @@ def test_sigterm_to_the_launcher_reaches_every_process(tmp_path):
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # Start-up, with margin for a loaded machine.
         while not all(os.path.exists(f"{ready}{i}") for i in range(2)):
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
