@@ -30,7 +30,10 @@ def _rows(x):
 def _pad_leaf(t, static: int):
     t = tf.convert_to_tensor(t)
     rows = tf.shape(t)[0]
-    tf.debugging.assert_less_equal(
+    # The pad must wait for the check, else its negative padding may fail first, with
+    # TensorFlow's "Paddings must be non-negative" (automatic control dependencies order the
+    # stateful ops among themselves, not the pure ops after them).
+    check = tf.debugging.assert_less_equal(
         rows,
         static,
         message=(
@@ -41,6 +44,8 @@ def _pad_leaf(t, static: int):
         ),
     )
     fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
+    with tf.control_dependencies([check]):
+        rows = tf.identity(rows)
     padded = tf.pad(t, [[0, static - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
     return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
 
