@@ -155,6 +155,9 @@ def main() -> int:
     parser.add_argument("--mem-features", type=int, default=3072)
     parser.add_argument("--json", default=None)
     parser.add_argument("--mode", choices=["speed", "memory"], default=None)
+    parser.add_argument(
+        "--modes", default="speed,memory", help="what to measure: speed, memory or both"
+    )
     parser.add_argument("--which", choices=["acc", "plain"], default="acc")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
@@ -172,9 +175,13 @@ def main() -> int:
     ]
     rows = []
     for backend in args.backends.split(","):
-        row = {"backend": backend, "speed": _child(backend, [*common, "--mode=speed"])}
-        for which in ("plain", "acc"):
-            row[which] = _child(backend, [*common, "--mode=memory", f"--which={which}"])
+        modes = args.modes.split(",")
+        row = {"backend": backend, "speed": {}, "plain": {}, "acc": {}}
+        if "speed" in modes:
+            row["speed"] = _child(backend, [*common, "--mode=speed"])
+        if "memory" in modes:
+            for which in ("plain", "acc"):
+                row[which] = _child(backend, [*common, "--mode=memory", f"--which={which}"])
         rows.append(row)
     mib = 2**20
     print(
@@ -188,12 +195,19 @@ def main() -> int:
             error = s.get("error") or p.get("error") or a.get("error")
             print(f"| {row['backend']} | error: {error} |")
             continue
-        print(
-            f"| {row['backend']} | {s['replicas']} | {s['model_fit_steps_per_s']:.2f} | "
-            f"{s['acc_fit_steps_per_s']:.2f} | {s['ratio']:.3f} | "
-            f"{p['growth_bytes'] / mib:.0f} | {a['growth_bytes'] / mib:.0f} | "
-            f"{a['batch_bytes'] / mib:.0f} |"
+        speed_cells = (
+            f"{s['replicas']} | {s['model_fit_steps_per_s']:.2f} | "
+            f"{s['acc_fit_steps_per_s']:.2f} | {s['ratio']:.3f}"
+            if s
+            else f"{args.devices} | - | - | -"
         )
+        memory_cells = (
+            f"{p['growth_bytes'] / mib:.0f} | {a['growth_bytes'] / mib:.0f} | "
+            f"{a['batch_bytes'] / mib:.0f}"
+            if a
+            else "- | - | -"
+        )
+        print(f"| {row['backend']} | {speed_cells} | {memory_cells} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
