@@ -42,7 +42,16 @@ declare -A backend_of=()
 pids=()
 stop() {  # Interrupted: stop every run still going (its pytest and what that started).
   trap - INT TERM
-  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
+  # A SIGTERM inside a fit with BackupAndRestore is a preemption, which pytest reports as
+  # that test's failure and goes on: what still runs after 10 s is killed.
+  for _ in $(seq 20); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.5
+  done
+  for pid in "${pids[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
   wait
   rm -rf "$logs"
   exit 130
