@@ -547,9 +547,8 @@ class Accelerator:
         sync = _EpochSync(
             self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
         )
+        # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
         steps = steps_per_epoch or train.plan.num_batches
-        if steps_per_epoch is None and getattr(train, "reiterable", False):
-            steps_per_epoch = steps  # A Grain data set reaches Keras as one endless stream.
         n = self._fuse(model, "train", steps, callbacks, verbose, validating=val is not None)
 
         def patch(patches):

@@ -61,7 +61,13 @@ class StaticBatchDataset(keras.utils.PyDataset):
 def stream(batches, carry_mask: bool = True, rows=None):
     """A Python generator over `batches.batches()` (`keras_accel.data.sources.
     IterableBatches`), which Keras's `fit` reads as it reads a user's generator: epoch after
-    epoch from where it stopped, ended by `steps_per_epoch` or by the data's end."""
+    epoch from where it stopped, ended by `steps_per_epoch` or by the data's end. A
+    re-iterable stream (Grain) is a Keras data adapter instead, a fresh pass every epoch
+    (`keras_accel.data.grain`)."""
+    if batches.reiterable:
+        from keras_accel.data.grain import GrainPasses
+
+        return GrainPasses(batches, carry_mask=carry_mask, rows=rows)
 
     def generate():
         while True:

@@ -472,10 +472,17 @@ class IterableBatches:
                 length = len(source)
             except TypeError:
                 length = None
+        # A repeated Grain MapDataset (`.repeat()`) says its length is sys.maxsize: endless.
+        import sys
+
+        infinite = length is not None and length >= sys.maxsize
+        if infinite:
+            length = None
         self.plan = StreamPlan(
             batch_size=self._padder.first_rows,
             static_rows=self._padder.static_rows,
             num_batches=length if remainder == "pad" else None,
+            infinite=infinite,
             remainder=remainder,
             training=training,
             kind=self.kind,

@@ -206,6 +206,17 @@ REQUIRED: list[Internal] = [
         "a callback's model",
         lambda: keras.callbacks.Callback(),
     ),
+    # keras_accel.data.grain: a Grain data set reaches Keras as a DataAdapter of ours (Keras's
+    # get_data_adapter takes any DataAdapter as it is), a fresh pass every epoch.
+    Internal(
+        "keras.utils.PyDataset's module",
+        "DataAdapter",
+        "Grain inputs, a fresh pass every epoch",
+        _first(
+            _module_of("keras.utils.PyDataset"),
+            _module("keras.src.trainers.data_adapters.data_adapter"),
+        ),
+    ),
 ]
 # Instance attributes read through `require` where they are used: `model._compile_metrics`
 # (`_flat_metrics`, `_flat_weighted_metrics`), `model._compile_loss`, `model._loss_tracker`,
@@ -389,6 +400,12 @@ def backend_module():
     """`keras.src.backend`, whose `IS_THREAD_SAFE` decides whether Keras runs batch-end
     callbacks in a thread pool."""
     return _holder("IS_THREAD_SAFE")
+
+
+def data_adapter_class() -> type:
+    """Keras's `DataAdapter` base class (what `get_data_adapter` passes through as it is),
+    found beside `keras.utils.PyDataset`'s adapter."""
+    return _holder("DataAdapter").DataAdapter
 
 
 def tf_trainer_module():
