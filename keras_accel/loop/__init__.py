@@ -370,10 +370,11 @@ class CustomLoop:
         batches = self.batches(x, None, batch_size, training=False)
         outputs, masks = [], []
         for b in batches:
-            outputs.append(
-                keras.tree.map_structure(np.asarray, self._backend.to_host(self.predict_step(b)))
-            )
-            masks.append(self._backend.row_mask(b))
+            self._check_structure("predict", b)
+            with self.accelerator.scope():
+                out, mask = self._backend.predict_masked(b)
+            outputs.append(keras.tree.map_structure(np.asarray, self._backend.to_host(out)))
+            masks.append(np.asarray(self._backend.to_host(mask)))
         # Each batch's row mask says which of its rows are real: no length needed.
         keep = np.concatenate(masks).reshape(-1) > 0
         return keras.tree.map_structure(

@@ -398,9 +398,9 @@ class Runtime:
         elif self.plan.strategy == "multi_worker":
             raise ValueError(
                 "Under MultiWorkerMirroredStrategy keras_accel feeds each worker its rows of "
-                "every global batch through tf.data; a keras.utils.PyDataset or a generator "
-                f"has no tf.data form here. Received: {type(batches.source).__name__}. Pass "
-                "arrays or a tf.data.Dataset."
+                "every global batch through tf.data; a keras.utils.PyDataset, a generator or a "
+                "Grain data set has no tf.data form here. Received: "
+                f"{type(batches.source).__name__}. Pass arrays or a tf.data.Dataset."
             )
         elif isinstance(batches, IterableBatches):
             refuse_preprocessing(batches, preprocess)

@@ -270,14 +270,15 @@ class Steps:
     def to_host(self, outputs):
         return jax.tree_util.tree_map(np.asarray, outputs)
 
-    def row_mask(self, batch) -> np.ndarray:
-        """The row mask of a placed prediction batch `(x, mask)`, whole, on the host."""
+    def predict_masked(self, batch):
+        """`(outputs, row_mask)` of one prediction batch; the mask whole on every process,
+        as the outputs are."""
         mask = unpack(batch)[3]
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            return np.asarray(multihost_utils.process_allgather(mask, tiled=True))
-        return np.asarray(mask)
+            mask = multihost_utils.process_allgather(mask, tiled=True)
+        return self.predict(batch), mask
 
 
 def _place(array: np.ndarray, sharding):

@@ -85,7 +85,12 @@ class Steps:
         key = kind if group is None else f"{kind}_group"
         function = self._compiled.get(key)
         if function is None:
-            body = {"train": self._train, "test": self._test, "predict": self._predict}[kind]
+            body = {
+                "train": self._train,
+                "test": self._test,
+                "predict": self._predict,
+                "predict_masked": self._predict_masked,
+            }[kind]
             step = self._distributed(body)
             function = tf.function(step if group is None else _fused(step))
             self._compiled[key] = function
@@ -177,6 +182,14 @@ class Steps:
     def _predict(self, batch):
         return self.loop.model(unpack(batch)[0], training=False)
 
+    def _predict_masked(self, batch):
+        return self._predict(batch), unpack(batch)[3]
+
+    def predict_masked(self, batch):
+        """`(outputs, row_mask)` of one prediction batch, gathered alike (several workers
+        each hold only their replicas' rows)."""
+        return self._run("predict_masked", batch)
+
     def _update_metrics(self, y, y_pred, per, weights, mask):
         # Metric variables are summed across replicas when read: local updates suffice.
         loop = self.loop
@@ -195,15 +208,6 @@ class Steps:
 
     def to_host(self, outputs):
         return tf.nest.map_structure(lambda t: np.asarray(t), outputs)
-
-    def row_mask(self, batch) -> np.ndarray:
-        """The row mask of a distributed prediction batch `(x, mask)`, in row order (the
-        replicas hold consecutive slices of the global batch)."""
-        mask = unpack(batch)[3]
-        if self.strategy is None:
-            return np.asarray(mask)
-        parts = self.strategy.experimental_local_results(mask)
-        return np.concatenate([np.asarray(part) for part in parts])
 
 
 def _fused(step):
