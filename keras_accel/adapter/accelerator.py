@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 import weakref
 from typing import Any
@@ -487,10 +488,18 @@ class Accelerator:
             patch=patch,
         )
 
-    def _fuse(self, model, kind: str, steps, callbacks, verbose, validating=False) -> int:
+    def _fuse(
+        self, model, kind: str, steps, callbacks, verbose, validating=False, divides=None
+    ) -> int:
         n, why = fusion.choose(
             self.steps_per_execution, model, kind, steps, callbacks, validating=validating
         )
+        chosen = why.startswith(("compile(", "Accelerator("))
+        if divides and not chosen and n > 1 and divides % n:
+            # Keras validates with fit's steps_per_execution: a group of N steps must not
+            # read past `validation_steps`.
+            n = math.gcd(n, int(divides))
+            why = f"{why}; dividing validation_steps={divides}"
         fusion.note(model, n, why, 1 if verbose == "auto" else verbose)
         if kind == "train":
             run_state(model).steps_per_execution = n
@@ -549,7 +558,15 @@ class Accelerator:
         )
         # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
         steps = steps_per_epoch or train.plan.num_batches
-        n = self._fuse(model, "train", steps, callbacks, verbose, validating=val is not None)
+        n = self._fuse(
+            model,
+            "train",
+            steps,
+            callbacks,
+            verbose,
+            validating=val is not None,
+            divides=validation_steps if val is not None else None,
+        )
 
         def patch(patches):
             _bind_schedule(model, epochs, steps, patches, train.plan)

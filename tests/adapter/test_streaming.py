@@ -139,13 +139,6 @@ def test_unbatched_then_mapped_and_batched_tf_data(tf):
     assert_weights_close(model.get_weights(), twin.get_weights())
 
 
-VALIDATION_FUSION_GAP = (
-    "keras_accel/adapter: fit's host-loop fusion (fusion.choose via Accelerator._fuse) picks "
-    "N from the training steps only (here 3) and Keras's fused test loop then runs N "
-    "validation steps per call, past validation_steps=2: N must divide validation_steps"
-)
-
-
 @pytest.mark.parametrize(
     "fused",
     [
@@ -153,7 +146,6 @@ VALIDATION_FUSION_GAP = (
         pytest.param(
             True,
             marks=[
-                pytest.mark.xfail(reason=VALIDATION_FUSION_GAP),
                 # Seen on both backends; a fused trace costs TensorFlow a minute here.
                 pytest.mark.skipif(
                     keras.backend.backend() == "tensorflow", reason="shown on JAX (same cause)"
