@@ -2,6 +2,7 @@
 
 import json
 
+import keras
 import pytest
 
 from keras_accel.benchmark import isolate, run_benchmark
@@ -62,6 +63,10 @@ def test_child_timeout_is_reported(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="runs both backends in child processes whatever the parent's: once, under JAX",
+)
 def test_both_backends_side_by_side_with_the_seed_mlp(tmp_path, capsys):
     # The seed MLP (narrowed 20x to stay quick) on both backends, each in its own processes.
     backends = "jax,tensorflow" + (f",{MISSING}" if MISSING else "")
