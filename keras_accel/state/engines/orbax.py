@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import jax
 
@@ -66,6 +67,12 @@ class Engine:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
+        if self.interrupted and jax.process_index() == 0 and not files.is_remote(directory):
+            # Orbax's own cleanup may still be running in a thread when a caller (or the
+            # user) looks: the leftovers we named are gone when the engine is made.
+            for name in files.listdir(self.directory):
+                if _TMP.match(name):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, variables: dict, meta: dict) -> None:
         tree = {_key(key): variable.value for key, variable in variables.items()}
