@@ -192,18 +192,9 @@ class BatchPlan:
         """Whether any batch carries padding rows."""
         return bool((self.real_rows != self.static_rows).any())
 
-    @property
-    def may_pad_last(self) -> bool:
-        """Whether the last batch may be partial (where the rest are full)."""
-        return bool(self.real_rows[-1] != self.batch_size)
-
     def describe(self) -> str:
         """The batching in words, for messages: "230 rows in batches of 64"."""
         return f"{self.num_samples} rows in batches of {self.batch_size}"
-
-    def weight_scale(self, index: int, real_rows: int) -> float:
-        """The factor on batch `index`'s real rows' weights (see `weight_scales`)."""
-        return float(self.weight_scales[index])
 
     @property
     def rows_seen(self) -> int:
@@ -255,10 +246,6 @@ class StreamPlan:
                 f"`remainder` must be one of {REMAINDER_POLICIES}. "
                 f"Received: remainder={self.remainder!r}"
             )
-
-    @property
-    def may_pad_last(self) -> bool:
-        return self.pads
 
     def describe(self) -> str:
         length = (

@@ -70,12 +70,7 @@ def stream(batches, carry_mask: bool = True, rows=None):
         return GrainPasses(batches, carry_mask=carry_mask, rows=rows)
 
     def generate():
-        while True:
-            produced = False
-            for batch in batches.batches(scale=not carry_mask):
-                produced = True
-                yield _element(batch, carry_mask, rows)
-            if not batches.reiterable or not produced:
-                return
+        for batch in batches.batches(scale=not carry_mask):
+            yield _element(batch, carry_mask, rows)
 
     return generate()
