@@ -91,7 +91,9 @@ class Steps:
                 "predict": self._predict,
                 "predict_masked": self._predict_masked,
             }[kind]
-            step = self._distributed(body)
+            # A masked prediction is still the one predict program the user sees (as on JAX,
+            # where the mask rides beside the same compiled step).
+            step = self._distributed(body, kind.removesuffix("_masked"))
             function = tf.function(step if group is None else _fused(step))
             self._compiled[key] = function
         with Patches() as patches:
@@ -104,13 +106,13 @@ class Steps:
                 return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
 
-    def _distributed(self, body):
+    def _distributed(self, body, name: str):
         strategy = self.strategy
         multi_worker = self.runtime.plan.strategy == "multi_worker"
 
         def step(batch):
             # Python here runs once per trace (and the body once per replica within it).
-            self.traces[body.__name__.lstrip("_")] += 1
+            self.traces[name] += 1
             if strategy is None:
                 return body(batch)
             outputs = strategy.run(body, args=(batch,))
