@@ -1,7 +1,17 @@
 """Shared test helpers: tiny models and data, and readers of what really ran."""
 
+import os
+
 import keras
 import numpy as np
+
+# Replicas for a test whose subject is not the replica count (a callback, an input's
+# structure, what a call leaves behind): TensorFlow traces every step once per replica, and
+# an 8-replica fit of the MLP here costs about four times a 2-replica one (16 s against 4 s,
+# 2 December 2026, this 2-core machine). Two replicas still take every cross-replica path
+# (reductions, padding to a replica multiple, mirrored variables, synchronized statistics);
+# the tests whose subject is the replica count use every device.
+FEW_REPLICAS = min(2, int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8")))
 
 
 def mlp(inputs=6, classes=3, batchnorm=True, dropout=False, regularize=False, seed=0):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_accel import STRATEGIES, Accelerator
-from tests.helpers import compiled_mlp, data, mlp, weights_of
+from tests.helpers import FEW_REPLICAS, compiled_mlp, data, mlp, weights_of
 
 
 def test_auto_uses_every_virtual_device(num_devices, backend):
@@ -88,7 +88,7 @@ def test_unreachable_tpu_address_is_a_bounded_wait(backend):
 
 
 def test_scope_sets_mixed_precision_only_inside():
-    acc = Accelerator(mixed_precision="bfloat16")
+    acc = Accelerator(devices=FEW_REPLICAS, mixed_precision="bfloat16")
     with acc.scope():
         model = mlp()
     assert model.layers[0].dtype_policy.name == "mixed_bfloat16"

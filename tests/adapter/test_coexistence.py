@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, compiled_mlp, data
 
 
 def _fits(model, x, y, **kwargs):
@@ -18,14 +18,14 @@ def test_raw_mirrored_strategy_and_accelerator_in_either_order(backend, num_devi
     import tensorflow as tf
 
     x, y = data(128)
-    devices = [f"/cpu:{i}" for i in range(num_devices)]
+    devices = [f"/cpu:{i}" for i in range(FEW_REPLICAS)]
     # Two raw strategies would clash with each other (TensorFlow's own limit); one raw
     # strategy and the Accelerator's must not: raw, ours, raw again, ours again.
     raw = tf.distribute.MirroredStrategy(devices)
     with raw.scope():
         raw_model = compiled_mlp()  # BatchNormalization: collectives on every step
     assert _fits(raw_model, x, y)
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         ours = compiled_mlp()
     assert np.isfinite(acc.fit(ours, x, y, batch_size=64, verbose=0).history["loss"][0])
@@ -44,7 +44,7 @@ def test_global_keras_distribution_is_left_as_the_user_set_it(backend, num_devic
     try:
         plain = compiled_mlp()  # laid out by the user's global distribution
         x, y = data(128)
-        acc = Accelerator()
+        acc = Accelerator(devices=FEW_REPLICAS)
         with acc.scope():
             ours = compiled_mlp()
         acc.fit(ours, x[:101], y[:101], batch_size=16, verbose=0)

@@ -1,5 +1,6 @@
 """Keras's own contracts, kept: what plain Keras accepts works, numbers equal plain Keras on one
-device, and nothing the Accelerator installs outlives its call. 8 replicas, both backends."""
+device, and nothing the Accelerator installs outlives its call. Both backends; 8 replicas where
+the numbers are the subject, 2 (`FEW_REPLICAS`) where what is kept or left behind is."""
 
 import warnings
 
@@ -9,7 +10,7 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.schedules import WarmupCosine
-from tests.helpers import assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
 
 
 class Logs(keras.callbacks.Callback):
@@ -61,7 +62,7 @@ def test_reported_loss_and_metrics_of_a_padded_epoch_equal_keras():
 
 
 def test_list_wrapped_single_input_and_column_sample_weights_like_keras():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
     x, y = data(101)
     sw = np.linspace(0.5, 1.5, 101).astype("float32")[:, None]  # (N, 1), as Keras's guides
@@ -77,7 +78,7 @@ def test_list_wrapped_single_input_and_column_sample_weights_like_keras():
 def test_no_trace_left_behind(tmp_path):
     # A model trained through the Accelerator, then through plain Keras, ends exactly where
     # its twin ends, copied out (weights and optimizer state) before the plain phase.
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         model = compiled_mlp()
     x, y = data(80)
@@ -146,7 +147,7 @@ def test_synchronized_batchnorm_keeps_keras_meaning(backend):
 
 
 def test_model_compiled_again_outside_the_scope_is_refused_the_same_way():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     if acc.num_replicas == 1:
         pytest.skip("one device: every model is in place")
     with acc.scope():
@@ -161,7 +162,7 @@ def test_model_compiled_again_outside_the_scope_is_refused_the_same_way():
 
 
 def test_schedule_that_needs_the_training_length_gets_it_from_fit():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     x, y = data(96)
     schedule = WarmupCosine(0.5, warmup_fraction=0.25)
     with acc.scope():
@@ -177,7 +178,7 @@ def test_schedule_that_needs_the_training_length_gets_it_from_fit():
 
 
 def test_accelerator_call_inside_a_callback_of_another():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, _ = _pair(acc)
     x, y = data(70)
     seen = []
@@ -194,7 +195,7 @@ def test_accelerator_call_inside_a_callback_of_another():
 def test_our_callbacks_leave_nothing_on_the_model(tmp_path):
     from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
 
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         model = compiled_mlp()
     x, y = data(70)

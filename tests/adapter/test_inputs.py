@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
 
 
 class Batches(keras.utils.PyDataset):
@@ -30,7 +30,7 @@ def _pair(acc):
 
 
 def test_pydataset_with_partial_last_batch_trains_and_evaluates_exactly():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
     x, y = data(43)
     acc.fit(model, Batches(x, y, 16), epochs=1, shuffle=False, verbose=0)
@@ -44,7 +44,7 @@ def test_pydataset_with_partial_last_batch_trains_and_evaluates_exactly():
 
 def test_tf_data_input_is_padded_in_the_graph():
     tf = pytest.importorskip("tensorflow")
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
     x, y = data(43)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -58,7 +58,7 @@ def test_tf_data_input_is_padded_in_the_graph():
 
 
 def test_dataset_inputs_refuse_batch_size_and_targets():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, _ = _pair(acc)
     x, y = data(16)
     with pytest.raises(ValueError, match="Received also: batch_size"):
@@ -66,7 +66,7 @@ def test_dataset_inputs_refuse_batch_size_and_targets():
 
 
 def test_dict_inputs_and_two_input_model():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
         merged = keras.layers.Concatenate()([a, b])
@@ -85,7 +85,7 @@ def test_dict_inputs_and_two_input_model():
 
 
 def test_validation_split_takes_the_last_rows_like_keras():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
     x, y = data(50)
     history = acc.fit(
@@ -99,7 +99,7 @@ def test_validation_split_takes_the_last_rows_like_keras():
 
 
 def test_class_weight_matches_keras():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
     x, y = data(40)
     class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
@@ -111,7 +111,7 @@ def test_class_weight_matches_keras():
 
 
 def test_targetless_training_of_a_model_whose_loss_needs_targets_is_a_clear_error():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="mse")
@@ -133,7 +133,7 @@ def _add_loss_model():
 
 
 def test_targetless_training_drops_the_partial_batch_with_a_note_and_matches_keras():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         model = _add_loss_model()
     twin = _add_loss_model()
@@ -144,7 +144,7 @@ def test_targetless_training_drops_the_partial_batch_with_a_note_and_matches_ker
     # Padding rows would count in the layer's loss: the last 4 rows are dropped instead.
     twin.fit(x[:16], batch_size=8, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())
-    indivisible = Accelerator(remainder="drop")
+    indivisible = Accelerator(devices=FEW_REPLICAS, remainder="drop")
     with indivisible.scope():
         model = _add_loss_model()
     if indivisible.num_replicas > 1:
@@ -153,7 +153,7 @@ def test_targetless_training_drops_the_partial_batch_with_a_note_and_matches_ker
 
 
 def test_unsupported_input_type_names_what_works():
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     model, _ = _pair(acc)
     with pytest.raises(TypeError, match="Supported inputs: numpy arrays"):
         acc.fit(model, object(), np.zeros(4), batch_size=8, verbose=0)
@@ -162,7 +162,7 @@ def test_unsupported_input_type_names_what_works():
 def test_dataset_method_feeds_plain_model_fit():
     # Without BatchNormalization the padded batches' zero weights make a plain model.fit
     # exact (BatchNormalization over real rows needs acc.fit, which knows the row mask).
-    acc = Accelerator()
+    acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         model = compiled_mlp(batchnorm=False)
     twin = compiled_mlp(batchnorm=False)
