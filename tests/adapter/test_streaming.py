@@ -31,7 +31,12 @@ ONE_STEP = {"steps_per_execution": 1}
 # MirroredStrategy (8 replicas) hung creating the second epoch's multi-device iterator over
 # Keras's from_generator pipeline, waiting for the GIL. Not yet understood; kept off the TF
 # run so that the suite cannot hang; 1-epoch PyDataset fits on TF run in test_inputs.py.
-TF_SECOND_EPOCH_HANG = "a second epoch's iterator over a PyDataset hung once on TF (see above)"
+TF_SECOND_EPOCH_HANG = (
+    "a 2-epoch PyDataset fit under 8-replica MirroredStrategy hung once in a full TF run "
+    "(the second epoch's iterator over Keras's from_generator pipeline, waiting for the GIL); "
+    "not reproduced in 34 runs alone, and a hang would stop CI; 1-epoch PyDataset fits run on "
+    "TF in tests/adapter/test_inputs.py"
+)
 
 
 def _pair(acc, **kwargs):
