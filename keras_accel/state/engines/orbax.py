@@ -50,6 +50,13 @@ class Engine:
         self.directory = files.local_path(directory)
         # Saves a kill interrupted, found before the manager removes their leftovers.
         self.interrupted = _interrupted(self.directory)
+        if self.interrupted and jax.process_index() == 0 and not files.is_remote(directory):
+            # The leftovers are removed before the manager exists: Orbax's own cleanup runs
+            # in a thread that may not have finished when a caller (or the user) looks, and
+            # removing them beside it made that thread fail the next save (FileNotFoundError).
+            for name in files.listdir(self.directory):
+                if _TMP.match(name):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=asynchronous,
@@ -67,12 +74,6 @@ class Engine:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
-        if self.interrupted and jax.process_index() == 0 and not files.is_remote(directory):
-            # Orbax's own cleanup may still be running in a thread when a caller (or the
-            # user) looks: the leftovers we named are gone when the engine is made.
-            for name in files.listdir(self.directory):
-                if _TMP.match(name):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def save(self, step: int, variables: dict, meta: dict) -> None:
         tree = {_key(key): variable.value for key, variable in variables.items()}
