@@ -282,12 +282,16 @@ class Accelerator:
         if not training:
             remainder = "pad"  # Evaluation and prediction must see every row.
         if not sources.is_array_input(x):
-            extra = {
-                "y": y,
-                "batch_size": batch_size,
-                "sample_weight": sample_weight,
-                "class_weight": class_weight,
-            }
+            if class_weight is not None and not (
+                sources.is_tf_dataset(x) or sources.is_py_dataset(x)
+            ):
+                kind = "Python generator" if sources.is_generator(x) else type(x).__name__
+                raise ValueError(  # Keras's own words, for the inputs Keras refuses it too.
+                    f"Argument `class_weight` is not supported for {kind} inputs. Return "
+                    "(x, y, sample_weight) batches from it instead, or pass a tf.data."
+                    f"Dataset or a keras.utils.PyDataset. Received: class_weight={class_weight}"
+                )
+            extra = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
             given = [name for name, value in extra.items() if value is not None]
             if given:
                 raise ValueError(
@@ -298,8 +302,15 @@ class Accelerator:
             from keras_accel.data import tfdata
 
             batches = tfdata.TFDatasetBatches(
-                x, num_replicas=self.num_replicas, remainder=remainder, training=training
+                x,
+                num_replicas=self.num_replicas,
+                remainder=remainder,
+                training=training,
+                class_weight=class_weight,
             )
+            if self.num_processes > 1:
+                # Every process reads its own files where it can (all must agree on it).
+                batches.own_files = self._runtime.own_files(batches)
         elif sources.is_py_dataset(x):
             batches = sources.PyDatasetBatches(
                 x,
@@ -308,6 +319,7 @@ class Accelerator:
                 training=training,
                 shuffle=shuffle,
                 seed=self.seed,
+                class_weight=class_weight,
             )
         elif sources.is_generator(x) or sources.is_grain_dataset(x):
             batches = sources.IterableBatches(
@@ -777,7 +789,9 @@ def _first_batch(data, batches, contract: StepContract):
     for Keras's symbolic build; text is described as a "string" tensor, which Keras reads
     where numpy's `str`/`object` dtypes are refused."""
     data = getattr(data, "keras_accel_local", data)  # A worker's share of distributed data.
-    if isinstance(data, keras.utils.PyDataset):
+    if hasattr(data, "keras_accel_first_batch"):  # A stream of passes (Grain, own files).
+        x, y, sample_weight, _ = data.keras_accel_first_batch()
+    elif isinstance(data, keras.utils.PyDataset):
         x, y, sample_weight, _ = unpack(data[0])
     elif sources.is_generator(data):  # A stream: its first batch was kept aside.
         x, y, sample_weight, _ = batches.first_batch()

@@ -25,7 +25,9 @@ from keras_accel.utils import keras_internals
 class GrainPasses(keras_internals.data_adapter_class()):
     """A Keras data adapter over a re-iterable `IterableBatches`: each `get_*_iterator()` is
     one new pass of the data set, its batches as `keras_accel.data.pydataset.stream` serves
-    them (`carry_mask`, `rows`: this process's rows of each global batch).
+    them (`carry_mask`, `rows`: this process's rows of each global batch). On JAX a
+    process's own files of a tf.data pipeline (`keras_accel.data.tfdata.ProcessFiles`) are
+    served the same way: one pass per epoch, its padded batches as numpy.
 
     `num_batches` is the data set's length where it knows one (a `MapDataset`; not under
     remainder="drop", which may skip a partial batch): Keras then ends an epoch after that
@@ -44,11 +46,10 @@ class GrainPasses(keras_internals.data_adapter_class()):
         for batch in self.batches.batches(scale=not self.carry_mask):
             yield _element(batch, self.carry_mask, self.rows)
 
-    @property
-    def keras_accel_local(self):
-        # What `Accelerator` builds the model from: a stream's first batch, kept aside
-        # (`_first_batch` reads a generator's from `batches.first_batch()`). Unstarted.
-        return self._pass()
+    def keras_accel_first_batch(self):
+        # What `Accelerator` builds the model from (`_first_batch`): the stream's first
+        # batch, kept aside (only its structure and shapes beyond the batch axis count).
+        return self.batches.first_batch()
 
     def get_numpy_iterator(self):
         return self._pass()

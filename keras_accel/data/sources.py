@@ -102,24 +102,58 @@ def standardize_sample_weight(sample_weight: Any) -> np.ndarray | None:
 
 
 def class_weights_to_sample_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
-    """Per-row weights from a `{class_index: weight}` dict, for integer or one-hot targets."""
+    """Per-row weights from a `{class_index: weight}` dict, as Keras computes them: the class
+    is the argmax of one-hot targets, else the (rounded) target; a class the dict does not
+    name weighs 1.0 (so `{1: 5.0}` weights class 1 up and leaves the others)."""
     if y is None or isinstance(y, (dict, list, tuple)):
         raise ValueError(
-            "`class_weight` needs a single array of targets. "
-            f"Received: y of type {type(y).__name__}."
+            "`class_weight` is only supported for Models with a single output: it needs a "
+            f"single array of targets. Received: y of type {type(y).__name__}."
         )
-    labels = np.argmax(y, axis=-1) if y.ndim > 1 and y.shape[-1] > 1 else y.reshape(len(y))
-    labels = labels.astype("int64")
-    unknown = sorted(set(np.unique(labels).tolist()) - set(class_weight))
-    if unknown:
+    check_class_weight(class_weight)
+    y = np.asarray(y)
+    if y.ndim > 1 and y.shape[-1] > 1:
+        labels = np.argmax(y, axis=-1)
+    else:
+        labels = np.round(y.reshape(len(y))).astype("int64")
+    table = class_weight_table(class_weight)
+    inside = (labels >= 0) & (labels < len(table))
+    return np.where(inside, table[np.clip(labels, 0, len(table) - 1)], 1.0).astype("float32")
+
+
+def check_class_weight(class_weight) -> None:
+    if not isinstance(class_weight, dict) or not class_weight:
         raise ValueError(
-            f"`class_weight` has no weight for classes {unknown[:10]}. "
-            f"Received: class_weight keys {sorted(class_weight)}."
+            "`class_weight` must be a non-empty dict mapping class indices to weights. "
+            f"Received: class_weight={class_weight!r}"
         )
-    table = np.zeros(max(max(class_weight), labels.max()) + 1, "float32")
+    keys = [key for key in class_weight if not isinstance(key, (int, np.integer)) or key < 0]
+    if keys:
+        raise ValueError(
+            "`class_weight` keys must be class indices (integers >= 0). "
+            f"Received: class_weight={class_weight!r}"
+        )
+
+
+def class_weight_table(class_weight: dict) -> np.ndarray:
+    """Weights by class index up to the largest key; a class not named weighs 1.0."""
+    table = np.ones(max(int(key) for key in class_weight) + 1, "float32")
     for key, weight in class_weight.items():
         table[int(key)] = weight
-    return table[labels]
+    return table
+
+
+def _class_weighted(batch: tuple, class_weight: dict | None, where: str) -> tuple:
+    """A user's `(x, y, sample_weight)` batch with `class_weight` as its sample weights."""
+    if class_weight is None:
+        return batch
+    x, y, sample_weight = batch
+    if sample_weight is not None:
+        raise ValueError(
+            "You cannot `class_weight` and `sample_weight` at the same time. Received: "
+            f"class_weight={class_weight} and sample weights in {where} of the data set."
+        )
+    return x, y, class_weights_to_sample_weights(y, class_weight)
 
 
 class ArrayBatches:
@@ -232,6 +266,9 @@ def sample_batch(batches) -> tuple[Any, Any, Any, Any]:
 
     For what has to be known of the data before a step is compiled (which accuracy a
     compiled "accuracy" means; whether a user's loss returns one value per row)."""
+    own = getattr(batches, "own_files", None)  # This process's files (several processes).
+    if own is not None:
+        return own.first_batch()
     if hasattr(batches, "first_batch"):
         return batches.first_batch()
     if hasattr(batches, "batch"):
@@ -333,13 +370,15 @@ class PyDatasetBatches:
         training: bool = True,
         shuffle: bool = False,
         seed: int | None = None,
+        class_weight: dict | None = None,
     ):
         self.source = dataset
+        self.class_weight = class_weight
         count = dataset.num_batches
         if count is not None and count < 1:
             raise ValueError(f"The PyDataset is empty. Received: len(dataset)={count}")
         self._padder = _Padder(
-            as_numpy_batch(dataset[0], "batch 0"),
+            self._read(0),
             num_replicas=num_replicas,
             remainder=remainder,
             kind="PyDataset",
@@ -349,9 +388,7 @@ class PyDatasetBatches:
         self.count = count
         if remainder == "drop" and count is not None:
             last = count - 1
-            if last and num_rows(as_numpy_batch(dataset[last], f"batch {last}")[0]) < (
-                self._padder.first_rows
-            ):
+            if last and num_rows(self._read(last)[0]) < (self._padder.first_rows):
                 self.count = count - 1
             self._padder.remainder = "pad"  # Only the last batch may be partial: known now.
         elif remainder == "drop":
@@ -398,16 +435,17 @@ class PyDatasetBatches:
         if self.count is not None and not 0 <= index < self.count:
             raise IndexError(f"batch index {index} out of range for {self.count} batches")
         where = self.source_index(index)
-        batch = as_numpy_batch(self.source[where], f"batch {where}")
+        batch = self._read(where)
         self._padder.check(batch, f"Batch {where}")
         return self._padder.pad(batch, scale, self.plan, index)
 
     def first_batch(self):
-        return (
-            self.batch(0)
-            if not self.shuffle
-            else self._padder.pad(as_numpy_batch(self.source[0], "batch 0"))
-        )
+        return self.batch(0) if not self.shuffle else self._padder.pad(self._read(0))
+
+    def _read(self, where: int) -> tuple:
+        """The user's batch `where` as numpy `(x, y, sample_weight)`, class-weighted."""
+        batch = as_numpy_batch(self.source[where], f"batch {where}")
+        return _class_weighted(batch, self.class_weight, f"batch {where}")
 
     def on_epoch_end(self) -> None:
         self.source.on_epoch_end()

@@ -47,6 +47,10 @@ def _pad_leaf(t, static: int):
     fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
     with tf.control_dependencies([check]):
         rows = tf.identity(rows)
+    if t.shape.rank is None:  # E.g. `tf.io.parse_tensor`'s output: the rank is known later.
+        zeros = tf.zeros([tf.rank(t) - 1, 2], tf.int32)
+        paddings = tf.concat([[[0, static - tf.cast(rows, tf.int32)]], zeros], axis=0)
+        return tf.pad(t, paddings, constant_values=fill)
     padded = tf.pad(t, [[0, static - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
     return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
 
@@ -188,9 +192,19 @@ class TFDatasetBatches:
     the step needs to weight it exactly.
     """
 
+    own_files = None  # This process's own files (`ProcessFiles`), where several share them.
+
     def __init__(
-        self, dataset: tf.data.Dataset, *, num_replicas: int, remainder: str, training: bool
+        self,
+        dataset: tf.data.Dataset,
+        *,
+        num_replicas: int,
+        remainder: str,
+        training: bool,
+        class_weight: dict | None = None,
     ):
+        if class_weight is not None:
+            dataset = class_weighted(dataset, class_weight)
         spec = dataset.element_spec
         self.has_targets = isinstance(spec, tuple) and len(spec) >= 2
         self.weighted = isinstance(spec, tuple) and len(spec) == 3
@@ -235,6 +249,46 @@ class TFDatasetBatches:
         return self.plan.num_batches
 
 
+def class_weighted(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.Dataset:
+    """`dataset`'s `(x, y)` batches as `(x, y, sample_weight)`, the weights from
+    `class_weight` as Keras computes them (`keras_accel.data.sources.
+    class_weights_to_sample_weights`: the argmax of one-hot targets, else the rounded
+    target; a class the dict does not name weighs 1.0), in the graph, batch by batch."""
+    from keras_accel.data.sources import check_class_weight, class_weight_table
+
+    check_class_weight(class_weight)
+    spec = dataset.element_spec
+    parts = spec if isinstance(spec, tuple) else (spec,)
+    if len(parts) == 3:
+        raise ValueError(
+            "You cannot `class_weight` and `sample_weight` at the same time. Received: "
+            f"class_weight={class_weight} and a tf.data.Dataset of (x, y, sample_weight)."
+        )
+    if len(parts) != 2 or tf.nest.is_nested(parts[1]):
+        raise ValueError(
+            "`class_weight` is only supported for Models with a single output: it needs a "
+            "tf.data.Dataset of (x, y) batches with one target tensor. Received: element "
+            f"spec {spec}."
+        )
+    table = tf.constant(class_weight_table(class_weight))
+    size = int(table.shape[0])
+
+    def weigh(x, y):
+        if y.shape.rank is not None and y.shape.rank >= 2:
+            classes = tf.cond(
+                tf.shape(y)[-1] > 1,
+                lambda: tf.argmax(y, axis=-1, output_type=tf.int64),
+                lambda: tf.cast(tf.round(tf.squeeze(tf.cast(y, tf.float32), -1)), tf.int64),
+            )
+        else:
+            classes = tf.cast(tf.round(tf.cast(y, tf.float32)), tf.int64)
+        inside = (classes >= 0) & (classes < size)
+        weights = tf.gather(table, tf.clip_by_value(classes, 0, size - 1))
+        return x, y, tf.where(inside, weights, tf.ones_like(weights))
+
+    return dataset.map(weigh, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
 def _fixed_batch_size(spec) -> int | None:
     """The batch dimension where the element spec fixes it (`batch(n, drop_remainder=True)`)."""
     leaves = [leaf for leaf in tf.nest.flatten(spec) if hasattr(leaf, "shape")]
@@ -259,3 +313,126 @@ def _graph_batch_size(dataset) -> int | None:
 def _element(element: tuple):
     # tf.data passes a tuple element's parts as separate arguments, anything else as one.
     return standardize_element(element[0] if len(element) == 1 else element)
+
+
+class ProcessFiles:
+    """One process's own files of a file-backed tf.data pipeline, in its own batches.
+
+    Where several processes train together and the pipeline reads at least as many files
+    as there are processes, each process reads only its files (tf.data's FILE auto-sharding
+    of the pipeline's graph, as `tf.distribute` and Keras's own multi-process
+    `distribute_dataset` apply it) and batches them `batch_size / processes` rows at a time:
+    its share of each global batch. Nothing is counted first. The processes' files hold
+    different numbers of rows, so their data ends after different numbers of batches; where
+    one process's data has ended and another's has not, the one feeds padding (row mask 0)
+    until all have ended. On TensorFlow `tf.distribute`'s partial-batch handling does that
+    (an empty batch for a worker that ran out, agreed per step by an all-reduce); on JAX
+    `keras_accel.utils.process.EndAgreement` (`batches()`).
+
+    A global batch is then process 0's next rows beside process 1's (and so on), not the
+    pipeline's next `batch_size` rows: training sees other batches than in one process,
+    while evaluation, a mean over every row, is the same.
+    """
+
+    reiterable = True
+
+    def __init__(self, shard: tf.data.Dataset, plan: StreamPlan):
+        self.shard = shard
+        self.plan = plan
+        self._preprocess = None
+        self._firsts = {}  # By preprocessing: the raw batch (checks) or the model's (build).
+
+    def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
+        """This process's batches, padded to its share of the global batch (`plan`)."""
+        pad = _padded(self.plan.static_rows, carry_mask, preprocess)
+        dataset = self.shard
+        if self.plan.remainder == "drop":
+            full = self.plan.batch_size
+            dataset = dataset.filter(lambda *e: _rows(_element(e)[0]) >= full)
+        return dataset.map(
+            lambda *e: pad(None, *_element(e)), num_parallel_calls=tf.data.AUTOTUNE
+        ).prefetch(tf.data.AUTOTUNE)
+
+    def with_preprocess(self, preprocess: Preprocess) -> ProcessFiles:
+        """The same files, fed through a keras-hub task's preprocessing (`batches()`)."""
+        self._preprocess = preprocess
+        return self
+
+    def first_batch(self):
+        """This process's first padded batch, `(x, y, sample_weight, row_mask)` as numpy."""
+        key = id(self._preprocess)
+        if key not in self._firsts:
+            for element in self.pipeline(True, self._preprocess).take(1):
+                self._firsts[key] = _numpy_batch(element)
+        return self._firsts[key]
+
+    def batches(self, scale: bool = False):
+        """One pass of this process's padded batches, then padding batches until every
+        process's data has ended (JAX: `EndAgreement`)."""
+        from keras_accel.utils.process import EndAgreement
+
+        if scale:
+            raise ValueError("Per-process files feed the Accelerator's own steps only.")
+        ends = EndAgreement()
+        step = 0
+        for element in self.pipeline(True, self._preprocess).as_numpy_iterator():
+            ends.have(step + 1)
+            yield _numpy_batch(element)
+            step += 1
+        if not ends.more(step):
+            return
+        x, y, sample_weight, row_mask = self.first_batch()
+        zeros = lambda a: None if a is None else np.zeros_like(a)  # noqa: E731
+        padding = tuple(tf.nest.map_structure(zeros, t) for t in (x, y, sample_weight))
+        padding = (*padding, np.zeros_like(row_mask))
+        while True:
+            yield padding
+            step += 1
+            if not ends.more(step):
+                return
+
+
+def _numpy_batch(element):
+    from keras_accel.data.batching import unpack
+
+    x, y, sample_weight, row_mask = unpack(element)
+    as_numpy = lambda t: None if t is None else np.asarray(t)  # noqa: E731
+    return tuple(tf.nest.map_structure(as_numpy, t) for t in (x, y, sample_weight, row_mask))
+
+
+def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> ProcessFiles | None:
+    """`batches`' pipeline as this process's own files (`ProcessFiles`), or None where it
+    cannot be: its batch size is not known from its graph or not a multiple of the process
+    count, it reads no files, it has fewer files than processes, or this process's share
+    is empty. Reads at most one of this process's batches (the FILE-sharding check, which
+    tf.data makes when a pipeline is first read). Every process must agree on the answer
+    before using it (the Runtimes' `agree_all`)."""
+    plan = batches.plan
+    size = _graph_batch_size(batches.source)
+    if size is None or size % num_processes or plan.static_rows % num_processes:
+        return None
+    try:
+        from tensorflow.python.data.experimental.ops import distribute
+
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.FILE
+        )
+        local = batches.source.rebatch(size // num_processes).with_options(options)
+        shard = distribute._AutoShardDataset(
+            local, num_workers=num_processes, index=index, num_replicas=num_processes
+        )
+        if not any(True for _ in shard.take(1)):  # An empty share, e.g. empty files.
+            return None
+    except (ImportError, AttributeError, tf.errors.OpError, ValueError):
+        return None  # Not FILE-shardable here: no reader op, or fewer files than processes.
+    local_plan = StreamPlan(
+        batch_size=size // num_processes,
+        static_rows=plan.static_rows // num_processes,
+        num_batches=None,  # Each process's own count, never known in advance.
+        pads=plan.pads,
+        remainder=plan.remainder,
+        training=plan.training,
+        kind="tf.data.Dataset (this process's files)",
+    )
+    return ProcessFiles(shard, local_plan)

@@ -6,6 +6,8 @@ keras_accel asks `is_chief()` here, so one rule decides for the whole package.
 
 from __future__ import annotations
 
+import contextlib
+
 
 def _tf_cluster():
     """The TF_CONFIG cluster this process belongs to (`keras_accel.adapter.cluster`, the one
@@ -80,3 +82,101 @@ def barrier(name: str, model=None) -> None:
 
 
 _BARRIERS: dict = {}
+
+
+def _coordination_client():
+    """The JAX distributed runtime's client (its key-value store on the coordinator), or a
+    clear error. `jax.distributed.initialize` makes it; JAX has no public accessor."""
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+    except (ImportError, AttributeError) as error:  # pragma: no cover - a JAX change
+        import jax
+
+        raise RuntimeError(
+            "keras_accel agrees on the end of per-process data through the JAX distributed "
+            "runtime's key-value store (`jax._src.distributed.global_state.client`), which "
+            f"this JAX ({jax.__version__}) does not have."
+        ) from error
+    if client is None:
+        raise RuntimeError(
+            "Several JAX processes but no distributed runtime client: call "
+            "jax.distributed.initialize (or create the Accelerator) before reading data."
+        )
+    return client
+
+
+class EndAgreement:
+    """Where one pass over per-process data ends, agreed by every process, without counting.
+
+    Each process reads its own part of the data (its files), so the processes run out after
+    different numbers of batches, and a training step needs every process. Every process
+    publishes how many batches it has read (one write to the coordinator per batch) and, at
+    its end, how many it had. A process whose data ended keeps feeding padding batches (row
+    mask 0: they weigh nothing) as long as another process still has a batch for that step,
+    and stops when every process has ended: all stop after the same step, the longest
+    process's last. Only a process that ran out ever waits, and only for the others to
+    reach the step it is at; a process with data never waits.
+
+    Passes are numbered in the order every process makes them (each epoch's, each
+    evaluation's), which is the same program order in every process.
+    """
+
+    _passes = 0
+    POLL_S = 0.001
+    TIMEOUT_S = 600.0  # A process that never comes is a dead process: fail, do not hang.
+
+    def __init__(self):
+        EndAgreement._passes += 1
+        self.number = EndAgreement._passes
+        self.me = process_index()
+        self.others = [p for p in range(num_processes()) if p != self.me]
+        self._client = _coordination_client()
+        self._ended: dict[int, int] = {}
+        # Every process finished pass n - 2 before any began pass n (the end of pass n - 1
+        # needed all of them): its keys are read by no one any more.
+        for kind in ("have", "end"):
+            # Never written (the pass had no data here), or already gone: nothing to delete.
+            with contextlib.suppress(Exception):
+                self._client.key_value_delete(self._key(kind, self.me, self.number - 2))
+
+    def _key(self, kind: str, process: int, number: int | None = None) -> str:
+        number = self.number if number is None else number
+        return f"keras_accel/ends/{number}/{kind}/{process}"
+
+    def have(self, batches: int) -> None:
+        """This process has read `batches` batches of the pass."""
+        self._client.key_value_set(self._key("have", self.me), str(batches), True)
+
+    def more(self, step: int) -> bool:
+        """This process's data ended before `step` (0-based): does any other process have a
+        batch for it? Waits until each other process has either read that far or ended."""
+        import time
+
+        if self.me not in self._ended:  # The first step past this process's data.
+            self._ended[self.me] = step
+            self._client.key_value_set(self._key("end", self.me), str(step), True)
+        deadline = time.monotonic() + self.TIMEOUT_S
+        for other in self.others:
+            while other not in self._ended:
+                if self._read("have", other) > step:
+                    return True
+                end = self._read("end", other)
+                if end >= 0:
+                    self._ended[other] = end
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"Process {self.me} waited {self.TIMEOUT_S:.0f} s for process {other} "
+                        f"to reach step {step} of a pass over per-process data (pass "
+                        f"{self.number}): it neither read that batch nor said its data ended."
+                    )
+                time.sleep(self.POLL_S)
+        return any(end > step for end in self._ended.values())
+
+    def _read(self, kind: str, process: int) -> int:
+        try:
+            return int(self._client.key_value_try_get(self._key(kind, process)))
+        except Exception:  # Not written yet (NOT_FOUND).
+            return -1

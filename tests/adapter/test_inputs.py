@@ -98,16 +98,43 @@ def test_validation_split_takes_the_last_rows_like_keras():
         acc.fit(model, x, y, batch_size=8, validation_split=1.5, verbose=0)
 
 
-def test_class_weight_matches_keras():
+@pytest.mark.parametrize("kind", ["arrays", "pydataset", "tf.data"])
+@pytest.mark.parametrize("class_weight", [{0: 0.5, 1: 2.0, 2: 1.0}, {1: 3.0}])
+def test_class_weight_matches_keras(kind, class_weight):
+    """`class_weight` on every input Keras takes it with; a class it does not name weighs
+    1.0, as in Keras (`{1: 3.0}` weights class 1 up). 43 rows: the last batch is partial."""
     acc = Accelerator(devices=FEW_REPLICAS)
     model, twin = _pair(acc)
-    x, y = data(40)
-    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
-    acc.fit(
-        model, x, y, batch_size=8, epochs=1, class_weight=class_weight, shuffle=False, verbose=0
-    )
-    twin.fit(x, y, batch_size=8, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
+    x, y = data(43)
+    if kind == "arrays":
+        given = dict(x=x, y=y, batch_size=16)
+    elif kind == "pydataset":
+        given = dict(x=Batches(x, y, 16))
+    else:
+        tf = pytest.importorskip("tensorflow")
+        given = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    acc.fit(model, **given, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
+    twin.fit(x, y, batch_size=16, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())
+
+
+def test_class_weight_refusals_say_what_works():
+    acc = Accelerator(devices=FEW_REPLICAS)
+    model, _ = _pair(acc)
+    x, y = data(16)
+    generator = ((x[i : i + 8], y[i : i + 8]) for i in (0, 8))
+    with pytest.raises(ValueError, match="not supported for Python generator inputs"):
+        acc.fit(model, generator, class_weight={0: 2.0}, verbose=0)
+
+    class WithWeights(Batches):
+        def __getitem__(self, index):
+            xb, yb = super().__getitem__(index)
+            return xb, yb, np.ones(len(xb), "float32")
+
+    with pytest.raises(ValueError, match="cannot `class_weight` and `sample_weight`"):
+        acc.fit(model, WithWeights(x, y, 8), class_weight={0: 2.0}, verbose=0)
+    with pytest.raises(ValueError, match="keys must be class indices"):
+        acc.fit(model, x, y, batch_size=8, class_weight={"a": 2.0}, verbose=0)
 
 
 def test_targetless_training_of_a_model_whose_loss_needs_targets_is_a_clear_error():

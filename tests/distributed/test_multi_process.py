@@ -12,6 +12,7 @@ the momentum's amplification on other machines. Processes of one run, and a run 
 from its own backup, are compared exactly.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_train.py")
+FILES_SCRIPT = os.path.join(os.path.dirname(__file__), "_files.py")
 PROCESSES = 2
 LOCAL_DEVICES = 8 if BACKEND == "jax" else 2  # The one-process reference.
 TOLERANCE = 1e-5 if BACKEND == "jax" else 1e-6
@@ -46,18 +48,18 @@ def _env():
     return env
 
 
-def _launch_command(workdir, *extra):
+def _launch_command(workdir, *extra, script=SCRIPT):
     command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", str(PROCESSES)]
     command += ["--grace", str(GRACE_S)]
     if BACKEND == "jax":
         command += ["--devices-per-process", str(LOCAL_DEVICES // PROCESSES)]
-    return [*command, SCRIPT, str(workdir), *extra]
+    return [*command, script, str(workdir), *extra]
 
 
-def launch(workdir, *extra, check=True):
+def launch(workdir, *extra, check=True, script=SCRIPT):
     os.makedirs(workdir, exist_ok=True)
     result = subprocess.run(
-        _launch_command(workdir, *extra),
+        _launch_command(workdir, *extra, script=script),
         env=_env(),
         capture_output=True,
         text=True,
@@ -70,9 +72,9 @@ def launch(workdir, *extra, check=True):
     return result
 
 
-def one_process(workdir, *extra):
+def one_process(workdir, *extra, script=SCRIPT):
     os.makedirs(workdir, exist_ok=True)
-    command = [sys.executable, SCRIPT, str(workdir), "--devices", str(LOCAL_DEVICES), *extra]
+    command = [sys.executable, script, str(workdir), "--devices", str(LOCAL_DEVICES), *extra]
     result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -228,6 +230,66 @@ def test_custom_loop_processes_agree_and_match_one_process(tmp_path):
     assert_same(first, reference, TOLERANCE)
     for key in ("loss", "evaluation", "predictions"):
         np.testing.assert_allclose(first[key], reference[key], atol=10 * TOLERANCE, err_msg=key)
+
+
+def _write_records(path, rows, file, seed):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for features, target in zip(x, y, strict=True):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=features)),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[target])),
+                "file": tf.train.Feature(int64_list=tf.train.Int64List(value=[file])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+
+
+def test_each_process_reads_only_its_files(tmp_path):
+    """A file-backed tf.data pipeline over two processes: each reads only its own file
+    (sharded by file, not read whole and cut), and the numbers equal one process's: the
+    same rows in every global batch for training; evaluation files that end after 4 and 2
+    batches in the two processes (the one that ran out feeds padding until both have
+    ended), counted exactly; every prediction once."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for file, (train_rows, eval_rows) in enumerate([(28, 28), (28, 13)]):
+        _write_records(data / f"train-{file}.tfrecord", train_rows, file, seed=file)
+        _write_records(data / f"eval-{file}.tfrecord", eval_rows, file, seed=10 + file)
+    one, two = tmp_path / "one", tmp_path / "two"
+    for workdir in (one, two):
+        shutil.copytree(data, workdir)
+    launch(two, script=FILES_SCRIPT)
+    one_process(one, script=FILES_SCRIPT)
+
+    def load(workdir, process):
+        with np.load(os.path.join(workdir, f"files-{process}.npz")) as f:
+            return dict(f)
+
+    first, second, reference = load(two, 0), load(two, 1), load(one, 0)
+    for process, result in enumerate((first, second)):
+        counts = json.loads(str(result["counts"]))
+        assert set(counts["train"]) == {str(process)}, counts
+        assert set(counts["eval"]) == {str(process)}, counts
+        assert counts["eval"][str(process)] >= (28, 13)[process], counts
+    assert set(json.loads(str(reference["counts"]))["train"]) == {"0", "1"}
+    for key in first:
+        if key != "counts":
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert_same(first, reference, TOLERANCE)
+    for key in ("loss", "evaluation"):
+        np.testing.assert_allclose(first[key], reference[key], atol=10 * TOLERANCE, err_msg=key)
+    # The two processes' rows come step by step (process 0's share of each global batch
+    # before process 1's), one process's as the interleave reads them: the same rows.
+    assert first["predictions"].shape == reference["predictions"].shape == (41, 3)
+    order = lambda p: p[np.lexsort(p.T[::-1])]  # noqa: E731
+    np.testing.assert_allclose(
+        order(first["predictions"]), order(reference["predictions"]), atol=10 * TOLERANCE
+    )
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="model_parallel meshes are JAX's")

@@ -112,6 +112,18 @@ class Runtime:
                 devices=devices, auto_shard_dataset=jax.process_count() == 1
             )
 
+    def own_files(self, batches):
+        """This process's own files of a file-backed tf.data pipeline (`batches`), where
+        every process can read its own (`keras_accel.data.tfdata.ProcessFiles`), else None:
+        each process then reads the whole pipeline and keeps its rows of each global batch."""
+        from keras_accel.data import tfdata
+
+        rows = self.process_rows(batches.plan.static_rows)
+        own = tfdata.process_files(batches, jax.process_count(), jax.process_index())
+        if own is not None and rows.stop - rows.start != own.plan.static_rows:
+            own = None  # This process's devices hold another share than 1/count of a batch.
+        return own if agree_all(own is not None) else None
+
     def process_rows(self, static_rows: int) -> slice | None:
         """The rows of a global batch that this process feeds, in a multi-process run
         (None in one process): those its devices hold under the data layout."""
@@ -178,6 +190,11 @@ class Runtime:
         if preprocess is None:
             _refuse_text(batches)
         rows = self.process_rows(batches.plan.static_rows)
+        own = getattr(batches, "own_files", None)
+        if own is not None and carry_mask:
+            from keras_accel.data.grain import GrainPasses
+
+            return GrainPasses(own.with_preprocess(preprocess), carry_mask=True)
         if isinstance(batches, IterableBatches):
             _refuse_preprocessing(batches, preprocess)
             return stream(batches, carry_mask=carry_mask, rows=rows)
@@ -194,6 +211,13 @@ class Runtime:
         else:
             pipeline = batches.pipeline(carry_mask, preprocess)
         return pipeline if rows is None else tfdata.take_rows(pipeline, rows)
+
+
+def agree_all(flag: bool) -> bool:
+    """True where `flag` is true in every process."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _install_replicated_predictions(patches: Patches, model, distribution) -> None:

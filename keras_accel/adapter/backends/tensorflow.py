@@ -110,6 +110,18 @@ def agree_seed(seed: int | None) -> int:
     return int(broadcast().numpy()) // per_worker
 
 
+def agree_all(flag: bool) -> bool:
+    """True where `flag` is true on every worker (one all-reduce over the workers)."""
+    strategy = _multi_worker
+    mine = tf.constant(1 if flag else 0, tf.int64)
+
+    @tf.function
+    def count():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.identity(mine)), axis=None)
+
+    return int(count().numpy()) == strategy.num_replicas_in_sync
+
+
 def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
     found = {}
     if probe_tpu and connect_tpu() is not None:
@@ -394,6 +406,9 @@ class Runtime:
         if isinstance(batches, ArrayBatches):
             pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
         elif isinstance(batches, tfdata.TFDatasetBatches):
+            own = batches.own_files if carry_mask else None
+            if own is not None:
+                return self._distribute(own.pipeline(carry_mask, preprocess))
             pipeline = batches.pipeline(carry_mask, preprocess)
         elif self.plan.strategy == "multi_worker":
             raise ValueError(
@@ -423,7 +438,27 @@ class Runtime:
         workers = process.num_processes()
         share = static_rows // workers
         index = process.process_index()
-        mine = tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))
+        return self._distribute(
+            tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))
+        )
+
+    def own_files(self, batches):
+        """Under MultiWorkerMirroredStrategy, this worker's own files of a file-backed
+        pipeline where every worker can read its own (`keras_accel.data.tfdata.
+        ProcessFiles`), else None. Where the workers' data end after different numbers of
+        batches, `tf.distribute`'s partial-batch handling feeds an empty batch to a worker
+        that ran out, as long as another has data (its `get_next_as_optional` all-reduces
+        which workers have a batch, every step): the step weights nothing there."""
+        from keras_accel.data import tfdata
+        from keras_accel.utils import process
+
+        if self.plan.strategy != "multi_worker":
+            return None
+        own = tfdata.process_files(batches, process.num_processes(), process.process_index())
+        return own if agree_all(own is not None) else None
+
+    def _distribute(self, mine):
+        """`mine` (this worker's batches) as the strategy's distributed data set."""
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         mine = mine.with_options(options)

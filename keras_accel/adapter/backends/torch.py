@@ -43,6 +43,9 @@ class Runtime:
     def row_count(self, row_mask):
         return ops.sum(row_mask)
 
+    def own_files(self, batches):
+        return None  # One process: nothing to share.
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         if preprocess is not None or not hasattr(batches, "batch"):
             raise ValueError(

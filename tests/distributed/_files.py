@@ -1,0 +1,102 @@
+"""One process of a multi-process run over TFRecord files, started by `keras-accel launch` (or
+alone, as the one-process reference). Usage:
+
+    python _files.py WORKDIR [--devices N]
+
+WORKDIR holds `train-0.tfrecord`, `train-1.tfrecord` (28 rows each) and `eval-0.tfrecord`,
+`eval-1.tfrecord` (28 and 13 rows), written by the test: records of `x` (6 floats), `y` (an
+int) and `file` (the file's index). Every process runs the same pipeline,
+`from_tensor_slices(files).interleave(TFRecordDataset, cycle_length=2, block_length=8)`,
+parsed, in batches of 16. One process reads both files, 8 rows of each in turn; two
+processes each read their own file (keras_accel shards the pipeline by file), 8 rows a
+step each: the same rows in every global batch, so training matches. The evaluation files
+end after different numbers of batches in the two processes (4 and 2 of 8 rows).
+
+Every row the pipeline parses is counted by its file index (a `tf.py_function` in the
+parse), so a test can see which files each process read. Each process writes
+WORKDIR/files-<process>.npz: its final weights, losses, evaluation, predictions and the
+counts.
+"""
+
+import argparse
+import collections
+import json
+import os
+
+import numpy as np
+
+parser = argparse.ArgumentParser()
+parser.add_argument("workdir")
+parser.add_argument("--devices", type=int, default=None)
+args = parser.parse_args()
+
+import keras_accel  # noqa: E402
+
+if args.devices is not None:
+    keras_accel.configure_virtual_cpu_devices(args.devices)
+
+import keras  # noqa: E402
+
+from keras_accel import Accelerator  # noqa: E402
+
+acc = Accelerator(seed=0, devices=args.devices)  # Joins the cluster before TF computes.
+import tensorflow as tf  # noqa: E402
+
+read = collections.Counter()  # Rows parsed, by file index.
+
+
+def count(file, y):
+    read[int(file.numpy())] += 1
+    return y
+
+
+def parse(record):
+    features = tf.io.parse_single_example(
+        record,
+        {
+            "x": tf.io.FixedLenFeature([6], tf.float32),
+            "y": tf.io.FixedLenFeature([], tf.int64),
+            "file": tf.io.FixedLenFeature([], tf.int64),
+        },
+    )
+    y = tf.py_function(count, [features["file"], features["y"]], tf.int64)
+    return features["x"], tf.ensure_shape(y, [])
+
+
+def dataset(kind):
+    names = [os.path.join(args.workdir, f"{kind}-{i}.tfrecord") for i in range(2)]
+    files = tf.data.Dataset.from_tensor_slices(names)
+    records = files.interleave(tf.data.TFRecordDataset, cycle_length=2, block_length=8)
+    return records.map(parse).batch(16)
+
+
+with acc.scope():
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.05, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+history = acc.fit(model, dataset("train"), epochs=2, verbose=0)
+counts = {"train": dict(read)}
+read.clear()
+evaluation = acc.evaluate(model, dataset("eval"), verbose=0)
+predictions = acc.predict(model, dataset("eval"), verbose=0)
+counts["eval"] = dict(read)
+me = acc.process_index
+np.savez(
+    os.path.join(args.workdir, f"files-{me}.npz"),
+    loss=np.asarray(history.history["loss"]),
+    evaluation=np.asarray(evaluation),
+    predictions=predictions,
+    counts=json.dumps({k: {str(f): n for f, n in v.items()} for k, v in counts.items()}),
+    **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
+)
+print(f"process {me} of {acc.num_processes}: done", flush=True)
