@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -278,7 +279,18 @@ class Accelerator:
         )
         return self._runtime.wrap(batches, carry_mask=False)
 
-    def _batches(self, x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder):
+    def _batches(
+        self,
+        x,
+        y,
+        batch_size,
+        shuffle,
+        sample_weight,
+        class_weight,
+        training,
+        remainder,
+        own_files=False,
+    ):
         if not training:
             remainder = "pad"  # Evaluation and prediction must see every row.
         if not sources.is_array_input(x):
@@ -308,9 +320,13 @@ class Accelerator:
                 training=training,
                 class_weight=class_weight,
             )
-            if self.num_processes > 1:
-                # Every process reads its own files where it can (all must agree on it).
+            if own_files and self.num_processes > 1:
+                # Every process reads its own files where it can (all must agree on it):
+                # fit, evaluate and predict, which feed the Accelerator's own steps.
                 batches.own_files = self._runtime.own_files(batches)
+                if batches.own_files is not None and not batches.plan.pads:
+                    # A process that ran out feeds padding: the step must read the mask.
+                    batches.plan = dataclasses.replace(batches.plan, pads=True)
         elif sources.is_py_dataset(x):
             batches = sources.PyDatasetBatches(
                 x,
@@ -350,7 +366,7 @@ class Accelerator:
 
         def make(remainder):
             return self._batches(
-                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder
+                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True
             )
 
         batches = make(self.remainder or "pad")
@@ -557,7 +573,7 @@ class Accelerator:
             vx, vy, vsw = _unpack(validation_data)
             vx = _standardize_inputs(model, vx)
             vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
-            val = self._batches(vx, vy, vbatch, False, vsw, None, False, None)
+            val = self._batches(vx, vy, vbatch, False, vsw, None, False, None, True)
             _check_evaluation(val, "validation_data")
             self._check_exact(model, val, "validation_data")
         preprocess = _preprocessor(model)
@@ -620,7 +636,7 @@ class Accelerator:
         self.prepare(model)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
-        batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None)
+        batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None, True)
         _check_evaluation(batches, "x")
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
@@ -648,7 +664,7 @@ class Accelerator:
         self.prepare(model)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
-        batches = self._batches(x, None, batch_size, False, None, None, False, None)
+        batches = self._batches(x, None, batch_size, False, None, None, False, None, True)
         data = self._runtime.wrap(batches, True, _preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
         n = self._fuse(model, "predict", steps or batches.plan.num_batches, callbacks, verbose)

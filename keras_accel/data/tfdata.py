@@ -274,12 +274,21 @@ def class_weighted(dataset: tf.data.Dataset, class_weight: dict) -> tf.data.Data
     size = int(table.shape[0])
 
     def weigh(x, y):
-        if y.shape.rank is not None and y.shape.rank >= 2:
-            classes = tf.cond(
-                tf.shape(y)[-1] > 1,
-                lambda: tf.argmax(y, axis=-1, output_type=tf.int64),
-                lambda: tf.cast(tf.round(tf.squeeze(tf.cast(y, tf.float32), -1)), tf.int64),
+        if y.shape.rank is None:
+            raise ValueError(
+                "`class_weight` needs targets of a known rank (class indices, or one-hot "
+                f"rows). Received: y of unknown shape {y.shape}: give it one, e.g. with "
+                "tf.ensure_shape in the pipeline."
             )
+        if y.shape.rank >= 2 and y.shape[-1] != 1:
+            if y.shape[-1] is None:
+                raise ValueError(
+                    "`class_weight` needs to know whether the targets are one-hot: their "
+                    f"last dimension is unknown. Received: y of shape {y.shape}."
+                )
+            classes = tf.argmax(y, axis=-1, output_type=tf.int64)
+        elif y.shape.rank >= 2:
+            classes = tf.cast(tf.round(tf.squeeze(tf.cast(y, tf.float32), -1)), tf.int64)
         else:
             classes = tf.cast(tf.round(tf.cast(y, tf.float32)), tf.int64)
         inside = (classes >= 0) & (classes < size)
@@ -408,6 +417,9 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
     tf.data makes when a pipeline is first read). Every process must agree on the answer
     before using it (the Runtimes' `agree_all`)."""
     plan = batches.plan
+    policy = batches.source.options().experimental_distribute.auto_shard_policy
+    if policy == tf.data.experimental.AutoShardPolicy.OFF:
+        return None  # The user shards it, or wants it read whole: as it says.
     size = _graph_batch_size(batches.source)
     if size is None or size % num_processes or plan.static_rows % num_processes:
         return None
@@ -422,17 +434,21 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
         shard = distribute._AutoShardDataset(
             local, num_workers=num_processes, index=index, num_replicas=num_processes
         )
-        if not any(True for _ in shard.take(1)):  # An empty share, e.g. empty files.
-            return None
-    except (ImportError, AttributeError, tf.errors.OpError, ValueError):
-        return None  # Not FILE-shardable here: no reader op, or fewer files than processes.
+    except (ImportError, AttributeError, ValueError, tf.errors.OpError):
+        return None  # Not FILE-shardable here: no reader op found in the graph.
     local_plan = StreamPlan(
         batch_size=size // num_processes,
         static_rows=plan.static_rows // num_processes,
         num_batches=None,  # Each process's own count, never known in advance.
-        pads=plan.pads,
+        pads=True,  # A process whose data ended feeds padding until all have ended.
         remainder=plan.remainder,
         training=plan.training,
         kind="tf.data.Dataset (this process's files)",
     )
-    return ProcessFiles(shard, local_plan)
+    own = ProcessFiles(shard, local_plan)
+    try:  # Padded and filtered as it will be fed: under "drop" a small share may be empty.
+        if not any(True for _ in own.pipeline().take(1)):  # An empty share.
+            return None
+    except tf.errors.OpError:
+        return None  # Not FILE-shardable here: no reader op, or fewer files than processes.
+    return own

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, mlp
 
 
 class Batches(keras.utils.PyDataset):
@@ -98,7 +98,7 @@ def test_validation_split_takes_the_last_rows_like_keras():
         acc.fit(model, x, y, batch_size=8, validation_split=1.5, verbose=0)
 
 
-@pytest.mark.parametrize("kind", ["arrays", "pydataset", "tf.data"])
+@pytest.mark.parametrize("kind", ["arrays", "pydataset", "tf.data", "tf.data one-hot"])
 @pytest.mark.parametrize("class_weight", [{0: 0.5, 1: 2.0, 2: 1.0}, {1: 3.0}])
 def test_class_weight_matches_keras(kind, class_weight):
     """`class_weight` on every input Keras takes it with; a class it does not name weighs
@@ -112,7 +112,16 @@ def test_class_weight_matches_keras(kind, class_weight):
         given = dict(x=Batches(x, y, 16))
     else:
         tf = pytest.importorskip("tensorflow")
-        given = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+        targets = np.eye(3, dtype="float32")[y] if kind == "tf.data one-hot" else y
+        given = dict(x=tf.data.Dataset.from_tensor_slices((x, targets)).batch(16))
+        if kind == "tf.data one-hot":
+            with acc.scope():
+                model = mlp()
+                model.compile("sgd", "categorical_crossentropy")
+            twin = mlp()
+            twin.compile("sgd", "categorical_crossentropy")
+            twin.set_weights(model.get_weights())
+            y = targets
     acc.fit(model, **given, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
     twin.fit(x, y, batch_size=16, epochs=1, class_weight=class_weight, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())

@@ -64,7 +64,7 @@ def test_a_short_batch_of_a_process_is_padded_to_its_share(tmp_path):
 
 @pytest.mark.parametrize(
     "why",
-    ["fewer files than processes", "no files", "batch not a multiple", "empty share"],
+    ["fewer files than processes", "no files", "batch not a multiple", "empty share", "off"],
 )
 def test_where_a_process_cannot_have_its_own_files(tmp_path, why):
     if why == "fewer files than processes":
@@ -73,8 +73,12 @@ def test_where_a_process_cannot_have_its_own_files(tmp_path, why):
         dataset, processes = tf.data.Dataset.range(20).batch(4), 2
     elif why == "batch not a multiple":
         dataset, processes = _pipeline(_write(tmp_path), batch=6), 4
-    else:
+    elif why == "empty share":
         names = _write(tmp_path, files=2, rows=(5, 0))
         dataset, processes = _pipeline(names), 2
+    else:  # The user's own auto-shard policy says OFF: read whole, as it says.
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset, processes = _pipeline(_write(tmp_path)).with_options(options), 2
     batches = _batches(dataset, replicas=processes)
     assert tfdata.process_files(batches, processes, processes - 1) is None
