@@ -447,8 +447,10 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
     )
     own = ProcessFiles(shard, local_plan)
     try:  # Padded and filtered as it will be fed: under "drop" a small share may be empty.
-        if not any(True for _ in own.pipeline().take(1)):  # An empty share.
-            return None
+        first = [_numpy_batch(element) for element in own.pipeline().take(1)]
     except tf.errors.OpError:
         return None  # Not FILE-shardable here: no reader op, or fewer files than processes.
+    if not first:
+        return None  # An empty share.
+    own._firsts[id(None)] = first[0]  # The raw first batch, read once (`first_batch`).
     return own
