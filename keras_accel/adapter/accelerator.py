@@ -269,7 +269,9 @@ class Accelerator:
 
         Returns:
             A `keras.utils.PyDataset` or a `tf.data.Dataset` of `(x, y, sample_weight)`
-            batches (padding rows weighted 0), or `(x,)` when there are no targets.
+            batches (padding rows weighted 0), or `(x,)` when there are no targets; on
+            TensorFlow under MultiWorkerMirroredStrategy, a Keras data adapter over this
+            worker's rows of every batch, which `model.fit` takes as it is.
             BatchNormalization and the unweighted compiled `metrics=` see padding rows in a
             plain `model.fit`; `acc.fit` keeps them out of both.
         """
@@ -660,7 +662,11 @@ class Accelerator:
         callbacks: list | None = None,
     ):
         """`model.predict` on every device: exactly one output row per input row, in order.
-        `batch_size` defaults to the one `fit` last used for this model (else 32)."""
+        `batch_size` defaults to the one `fit` last used for this model (else 32).
+
+        Where several processes each read their own files of a tf.data pipeline
+        (docs/multi_host.md), each global batch holds every process's next rows: the rows
+        are all there once, in the order of the processes' batches, not the pipeline's."""
         self.prepare(model)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)

@@ -105,6 +105,32 @@ def take_rows(dataset, rows: slice):
     return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
+def replica_slices(dataset, parts: int):
+    """Each batch of `dataset` as `parts` batches in a row, its rows cut in order: a global
+    batch as its replicas' slices, which `distribute_datasets_from_function` hands to the
+    replicas in turn (replica i gets rows i * n/parts onwards, as `experimental_distribute_
+    dataset` would split it). The slices are views of the batch, not copies of the data
+    set: no graph is serialized or cloned, so in-memory arrays are held once."""
+    if parts == 1:
+        return dataset
+
+    def split(t):
+        rows = t.shape[0] if t.shape.rank else None
+        out = tf.reshape(t, tf.concat([[parts, -1], tf.shape(t)[1:]], axis=0))
+        if t.shape.rank is not None:  # Keep every static dimension the step may read.
+            out.set_shape([parts, None if rows is None else rows // parts, *t.shape[1:]])
+        return out
+
+    def cut(element):
+        return tf.nest.map_structure(split, element)
+
+    def cut_items(*items):  # tf.data passes a tuple's items apart.
+        return cut(items)
+
+    fn = cut_items if isinstance(dataset.element_spec, tuple) else cut
+    return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+
+
 # TensorFlow's CPU kernels abort on a tensor whose data is not aligned to this (Eigen's
 # largest alignment); numpy's large arrays usually start 16 bytes past a page.
 _ALIGN = 64

@@ -72,10 +72,8 @@ class Steps:
             dataset = batches.pipeline(True, preprocess)
         if self.strategy is None:
             return dataset
-        if self.runtime.plan.strategy == "multi_worker":  # Each worker reads its rows.
-            return self.runtime.per_worker(dataset, batches.plan.static_rows)
-        # Each global batch is cut into one contiguous slice per replica.
-        return self.strategy.experimental_distribute_dataset(dataset)
+        # Each worker reads its rows of each global batch, one contiguous slice per replica.
+        return self.runtime.distribute(dataset, batches.plan.static_rows)
 
     # ------------------------------------------------------------------ steps
     def _run(self, kind: str, batch, group=None):
