@@ -326,9 +326,11 @@ class Accelerator:
                 # Every process reads its own files where it can (all must agree on it):
                 # fit, evaluate and predict, which feed the Accelerator's own steps.
                 batches.own_files = self._runtime.own_files(batches)
-                if batches.own_files is not None and not batches.plan.pads:
-                    # A process that ran out feeds padding: the step must read the mask.
-                    batches.plan = dataclasses.replace(batches.plan, pads=True)
+                if batches.own_files is not None:
+                    # A process that ran out feeds padding: the step must read the mask. The
+                    # pipeline's cardinality counts its global batches, not the steps: those
+                    # end with the longest process's files, known only when they end.
+                    batches.plan = dataclasses.replace(batches.plan, pads=True, num_batches=None)
         elif sources.is_py_dataset(x):
             batches = sources.PyDatasetBatches(
                 x,

@@ -239,7 +239,11 @@ class CustomLoop:
             n = 1 if chosen == fusion.AUTO else chosen
         acc = self.accelerator
         remainder = acc.remainder or "pad"
-        batches = acc._batches(x, y, batch_size, shuffle, sample_weight, None, training, remainder)
+        # Several processes each read their own files of a file-backed tf.data pipeline,
+        # where they can (all agree on it), as `fit` does.
+        batches = acc._batches(
+            x, y, batch_size, shuffle, sample_weight, None, training, remainder, True
+        )
         if training and not batches.has_targets:
             raise ValueError(
                 "train_step needs targets: pass y (or a data set that yields (x, y)). "

@@ -12,10 +12,13 @@ processes each read their own file (keras_accel shards the pipeline by file), 8 
 step each: the same rows in every global batch, so training matches. The evaluation files
 end after different numbers of batches in the two processes (4 and 2 of 8 rows).
 
+Then the custom loop (`acc.loop`) trains a second model one epoch over the same files and
+evaluates it.
+
 Every row the pipeline parses is counted by its file index (a `tf.py_function` in the
 parse), so a test can see which files each process read. Each process writes
 WORKDIR/files-<process>.npz: its final weights, losses, evaluation, predictions and the
-counts.
+counts, and the loop's.
 """
 
 import argparse
@@ -70,33 +73,51 @@ def dataset(kind):
     return records.map(parse).batch(16)
 
 
-with acc.scope():
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(3),
-        ]
-    )
-    model.compile(
-        keras.optimizers.SGD(0.05, momentum=0.9),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+def compiled_model():
+    with acc.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+model = compiled_model()
 history = acc.fit(model, dataset("train"), epochs=2, verbose=0)
 counts = {"train": dict(read)}
 read.clear()
 evaluation = acc.evaluate(model, dataset("eval"), verbose=0)
 predictions = acc.predict(model, dataset("eval"), verbose=0)
 counts["eval"] = dict(read)
+
+# The custom loop over the same files: one epoch, then an evaluation.
+read.clear()
+looped = compiled_model()
+loop = acc.loop(looped)
+for batch in loop.batches(dataset("train")):
+    loop.train_step(batch)
+loop_train = loop.results()
+loop_eval = loop.evaluate(dataset("eval"))
+counts["loop"] = dict(read)
 me = acc.process_index
 np.savez(
     os.path.join(args.workdir, f"files-{me}.npz"),
     loss=np.asarray(history.history["loss"]),
     evaluation=np.asarray(evaluation),
     predictions=predictions,
+    loop_train=np.asarray([loop_train["loss"], loop_train["accuracy"]]),
+    loop_eval=np.asarray([loop_eval["loss"], loop_eval["accuracy"]]),
     counts=json.dumps({k: {str(f): n for f, n in v.items()} for k, v in counts.items()}),
     **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
+    **{f"loop_w{i}": np.asarray(v.value) for i, v in enumerate(looped.weights)},
 )
 print(f"process {me} of {acc.num_processes}: done", flush=True)

@@ -276,12 +276,17 @@ def test_each_process_reads_only_its_files(tmp_path):
         assert set(counts["train"]) == {str(process)}, counts
         assert set(counts["eval"]) == {str(process)}, counts
         assert counts["eval"][str(process)] >= (28, 13)[process], counts
+        assert set(counts["loop"]) == {str(process)}, counts  # acc.loop too.
     assert set(json.loads(str(reference["counts"]))["train"]) == {"0", "1"}
     for key in first:
         if key != "counts":
             np.testing.assert_array_equal(first[key], second[key], err_msg=key)
     assert_same(first, reference, TOLERANCE)
-    for key in ("loss", "evaluation"):
+    loop_weights = [k for k in sorted(first, key=lambda k: (len(k), k)) if k.startswith("loop_w")]
+    assert loop_weights
+    for key in loop_weights:
+        np.testing.assert_allclose(first[key], reference[key], atol=TOLERANCE, err_msg=key)
+    for key in ("loss", "evaluation", "loop_train", "loop_eval"):
         np.testing.assert_allclose(first[key], reference[key], atol=10 * TOLERANCE, err_msg=key)
     # The two processes' rows come step by step (process 0's share of each global batch
     # before process 1's), one process's as the interleave reads them: the same rows.

@@ -409,7 +409,8 @@ class Runtime:
             own = batches.own_files if carry_mask else None
             if own is not None:  # This worker's own files: its rows of each global batch.
                 mine = own.pipeline(carry_mask, preprocess)
-                return DistributedBatches(self._distribute(mine), mine, num_batches=None)
+                distributed = self.distribute(mine, own.plan.static_rows, own=True)
+                return DistributedBatches(distributed, mine, num_batches=None)
             pipeline = batches.pipeline(carry_mask, preprocess)
         elif self.plan.strategy == "multi_worker":
             raise ValueError(
@@ -431,10 +432,11 @@ class Runtime:
         distributed = self.distribute(pipeline, batches.plan.static_rows)
         return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
 
-    def distribute(self, pipeline, static_rows: int):
+    def distribute(self, pipeline, static_rows: int, own: bool = False):
         """Global batches of `static_rows` rows as the strategy's distributed data set: each
         worker keeps its rows of every global batch (the same batches on every worker: same
-        order, same padding), and each of its replicas gets its slice of those.
+        order, same padding), and each of its replicas gets its slice of those. `own`: the
+        pipeline already holds only this worker's rows (its own files, `static_rows` each).
 
         MirroredStrategy's own `experimental_distribute_dataset` splits each batch the same
         way, but first serializes and clones the pipeline's graph for the workers' devices;
@@ -448,7 +450,7 @@ class Runtime:
 
         if self.plan.strategy == "tpu":
             return self.native.experimental_distribute_dataset(pipeline)
-        if self.plan.strategy == "multi_worker":
+        if self.plan.strategy == "multi_worker" and not own:
             share = static_rows // process.num_processes()
             index = process.process_index()
             pipeline = tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))

@@ -38,17 +38,21 @@ class Steps:
             return jax.sharding.SingleDeviceSharding(self._device)
         return distribution.get_data_layout(shape).backend_layout
 
-    def _put(self, structure):
-        return jax.tree_util.tree_map(
-            lambda a: _place(np.asarray(a), self._sharding(np.shape(a))), structure
-        )
+    def _put(self, structure, local: bool = False):
+        def put(a):
+            a = np.asarray(a)
+            shape = _global_shape(a.shape, 0) if local else a.shape
+            return _place(a, self._sharding(shape), shape)
+
+        return jax.tree_util.tree_map(put, structure)
 
     def distributed(self, batches, training: bool):
         return self.distribute(batches, training)  # Batches are gathered on the host.
 
     def distribute(self, batches, training: bool):
+        local = getattr(batches, "own_files", None) is not None
         for element in self._host_batches(batches):
-            yield self._put(element)
+            yield self._put(element, local)
 
     def groups(self, batches, training: bool, n: int):
         """`StepGroup`s of n batches: stacked on the host, placed in one transfer (the batch
@@ -56,21 +60,28 @@ class Steps:
         filled with copies that the fused step skips, so every group has one shape."""
         from keras_accel.loop import StepGroup
 
+        local = getattr(batches, "own_files", None) is not None
         chunk = []
         for element in self._host_batches(batches):
             chunk.append(element)
             if len(chunk) == n:
-                yield StepGroup(self._stack(chunk, n), n)
+                yield StepGroup(self._stack(chunk, n, local), n)
                 chunk = []
         if chunk:
-            yield StepGroup(self._stack(chunk, n), len(chunk))
+            yield StepGroup(self._stack(chunk, n, local), len(chunk))
 
-    def _stack(self, chunk: list, n: int):
+    def _stack(self, chunk: list, n: int, local: bool = False):
         real = len(chunk)
         chunk = chunk + [chunk[-1]] * (n - real)
         stacked = jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *chunk)
-        placed = jax.tree_util.tree_map(lambda a: _place(a, self._group_sharding(a.ndim)), stacked)
-        return placed, _place(np.arange(n) < real, self._group_sharding(1))
+
+        def put(a):
+            shape = _global_shape(a.shape, 1) if local else a.shape
+            return _place(a, self._group_sharding(a.ndim), shape)
+
+        placed = jax.tree_util.tree_map(put, stacked)
+        valid = np.arange(n) < real
+        return placed, _place(valid, self._group_sharding(1), valid.shape)
 
     def _group_sharding(self, ndim: int):
         distribution = self.runtime.native
@@ -89,7 +100,10 @@ class Steps:
         from keras_accel.adapter.accelerator import _preprocessor
 
         preprocess = _preprocessor(self.loop.model)
-        if isinstance(batches, IterableBatches):
+        own = getattr(batches, "own_files", None)
+        if own is not None:  # This process's own files: its rows of each global batch.
+            elements = own.with_preprocess(preprocess).batches()
+        elif isinstance(batches, IterableBatches):
             refuse_preprocessing(batches, preprocess)
             elements = batches.batches()
         elif preprocess is None and isinstance(batches, (ArrayBatches, PyDatasetBatches)):
@@ -281,12 +295,23 @@ class Steps:
         return self.predict(batch), mask
 
 
-def _place(array: np.ndarray, sharding):
-    """A host array (the same on every process) laid out as `sharding`. Across processes
-    each one puts only the shards its own devices hold."""
+def _place(array: np.ndarray, sharding, shape: tuple):
+    """A host array laid out as `sharding`, as the global array of `shape`. Across processes
+    each one puts only the shards its own devices hold: `array` is either the same global
+    batch on every process (`shape` is its own), or this process's rows of it (its own
+    files), the processes' rows side by side along the batch axis in process order."""
     if jax.process_count() == 1:
         return jax.device_put(array, sharding)
+    if tuple(shape) != array.shape:
+        return jax.make_array_from_process_local_data(sharding, array, tuple(shape))
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _global_shape(shape: tuple, axis: int) -> tuple:
+    """The global shape of a process's rows of a batch (`axis`: the batch axis)."""
+    if len(shape) <= axis:
+        return shape
+    return (*shape[:axis], shape[axis] * jax.process_count(), *shape[axis + 1 :])
 
 
 def _fused(step):

@@ -68,6 +68,9 @@ class Steps:
                     "pipeline."
                 )
             dataset = _from_py_dataset(batches)
+        elif batches.own_files is not None:  # This worker's own files (several workers).
+            own = batches.own_files
+            return self.runtime.distribute(own.pipeline(True, preprocess), 0, own=True)
         else:
             dataset = batches.pipeline(True, preprocess)
         if self.strategy is None:
