@@ -586,7 +586,10 @@ class Accelerator:
         if val is not None:
             contracts["test"] = self._contract(val)
         sync = _EpochSync(
-            self.guard, train, keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
+            self.guard,
+            train,
+            keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
+            or getattr(train_data, "keras_accel_ends_epochs", False),
         )
         # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
         steps = steps_per_epoch or train.plan.num_batches

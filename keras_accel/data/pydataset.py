@@ -35,7 +35,8 @@ class StaticBatchDataset(keras.utils.PyDataset):
     """
 
     def __init__(self, batches, carry_mask: bool = True, workers: int = 1, rows=None):
-        # A thread prefetches the next batches while the device computes the current one.
+        # One worker: Keras reads the batches in its own thread, in order, as it reads a
+        # user's PyDataset (on JAX, `keras_accel.data.ahead` gathers one batch ahead).
         super().__init__(workers=workers, use_multiprocessing=False, max_queue_size=4)
         self.batches = batches
         self.carry_mask = carry_mask

@@ -186,6 +186,22 @@ class Runtime:
     def row_count(self, row_mask):
         return ops.sum(row_mask)
 
+    def place_batch(self, batch):
+        """`batch`'s numeric arrays on the devices, laid out as the step takes them: the
+        distribution's data layout (what Keras's trainer would place them with), or the one
+        device. The transfer is asynchronous: this returns before it ends."""
+        distribution = self.native
+        device = _jax_device(self.plan.devices[0]) if distribution is None else None
+
+        def put(leaf):
+            if not isinstance(leaf, np.ndarray) or leaf.dtype.kind not in "biufc":
+                return leaf
+            if distribution is None:
+                return jax.device_put(leaf, device)
+            return jax.device_put(leaf, distribution.get_data_layout(leaf.shape).backend_layout)
+
+        return keras.tree.map_structure(put, batch)
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         if preprocess is None:
             _refuse_text(batches)
@@ -201,7 +217,14 @@ class Runtime:
         if isinstance(batches, PyDatasetBatches) or (
             isinstance(batches, ArrayBatches) and preprocess is None
         ):
-            return StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
+            dataset = StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
+            if not carry_mask or rows is not None:
+                # `Accelerator.dataset` (a PyDataset, as it says), or this process's rows of
+                # each batch, which Keras assembles into the global batch as it places them.
+                return dataset
+            from keras_accel.data.ahead import OneBatchAhead
+
+            return OneBatchAhead(dataset, self.place_batch)
         # tf.data inputs, and keras-hub preprocessing (which runs in tf.data, as keras-hub's
         # own fit does on JAX): Keras's JAX trainer reads tf.data batches as numpy.
         from keras_accel.data import tfdata

@@ -1,0 +1,106 @@
+"""Batches placed on the devices one step ahead (JAX): the next batch's transfer overlaps the
+current step.
+
+Keras's JAX trainer looks one batch ahead only without a distribution, and only off the CPU
+(`JAXEpochIterator._one_batch_ahead_iterator`); under a `keras.distribution` it places each
+batch when the step asks for it, so on an accelerator the transfer waits for the host. Here
+an indexed input (in-memory arrays, a user's `PyDataset`) reaches Keras as `OneBatchAhead`, a
+Keras `DataAdapter` (Keras's `get_data_adapter` takes one as it is): when the step takes
+batch k, batch k + 1 has been gathered and its (asynchronous) transfer to the devices has
+begun, laid out as the step wants it (`place`: the distribution's data layout), so Keras's
+own placement of it is a no-op. On every platform, so that the suite runs what a GPU runs;
+the cost is one more batch held. No thread: the gathering order, the epochs' row orders and
+the reads of a user's `PyDataset` are those of the synchronous path, one batch earlier.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from keras_accel.data.batching import unpack
+from keras_accel.utils import keras_internals
+
+
+class OneBatchAhead(keras_internals.data_adapter_class()):
+    """`dataset` (a `keras_accel.data.pydataset.StaticBatchDataset`) as a Keras data adapter
+    whose JAX iterator places each batch with `place` one batch before it is asked for.
+
+    Epochs are the dataset's: a pass is its `num_batches` batches (endless without a
+    length, ended by `steps_per_epoch`), and `on_epoch_end` advances it, as Keras's own
+    PyDataset adapter does (`keras_accel_ends_epochs`). A batch gathered ahead under one
+    epoch's row order and asked for in the next (an iterator Keras keeps across epochs under
+    `steps_per_epoch`) is gathered again, so every batch has the order the synchronous path
+    gives it.
+    """
+
+    keras_accel_ends_epochs = True  # `Accelerator.fit` must not advance the epochs too.
+
+    def __init__(self, dataset, place):
+        self.dataset = dataset
+        self.place = place
+
+    def keras_accel_first_batch(self):
+        # What `Accelerator` builds the model from (`_first_batch`).
+        return unpack(self.dataset[0])
+
+    def _epoch(self):
+        return getattr(self.dataset.batches, "epoch", None)
+
+    def _gather(self, index: int):
+        return self._epoch(), self.place(self.dataset[index])
+
+    def _pass(self):
+        count = self.dataset.num_batches
+        indices = itertools.count() if count is None else range(count)
+        pending = None  # (index, epoch, placed batch)
+        for index in indices:
+            try:
+                epoch, batch = self._gather(index)
+            except Exception:
+                if pending is not None:  # The error belongs to the next step, not this one.
+                    yield self._current(pending)
+                raise
+            if pending is not None:
+                yield self._current(pending)
+            pending = (index, epoch, batch)
+        if pending is not None:
+            yield self._current(pending)
+
+    def _current(self, pending):
+        index, epoch, batch = pending
+        if epoch != self._epoch():  # Gathered in an epoch that has ended since.
+            return self._gather(index)[1]
+        return batch
+
+    def get_jax_iterator(self):
+        return self._pass()
+
+    def get_numpy_iterator(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+    def get_tf_dataset(self):
+        raise NotImplementedError("OneBatchAhead feeds the JAX trainer only.")
+
+    get_torch_dataloader = get_tf_dataset
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+    @property
+    def num_batches(self):
+        return self.dataset.num_batches
+
+    @property
+    def batch_size(self):
+        return None  # As for a PyDataset: the step's batch size is the padded batch's.
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
