@@ -9,7 +9,7 @@ The ratio is plain epoch time / `acc.fit` epoch time (>= 1: the Accelerator is a
 the median of the rounds' ratios with their spread, so that machine noise, which hits both
 alike within a round, cancels as far as it can.
 
-    python benchmarks/input_path.py                      # every row (about 15 min on 2 quiet cores)
+    python benchmarks/input_path.py                      # every row (about 30 min on 2 cores)
     python benchmarks/input_path.py --quick              # MLP only, batch 256 and 1024, 1 round
     python benchmarks/input_path.py --backends tensorflow --devices 1 --models mlp
 
