@@ -18,11 +18,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.pydataset import _element
-from keras_accel.utils import keras_internals
 
 
-class GrainPasses(keras_internals.data_adapter_class()):
+class GrainPasses(PaddedBatchesAdapter):
     """A Keras data adapter over a re-iterable `IterableBatches`: each `get_*_iterator()` is
     one new pass of the data set, its batches as `keras_accel.data.pydataset.stream` serves
     them (`carry_mask`, `rows`: this process's rows of each global batch). On JAX a
@@ -76,18 +76,6 @@ class GrainPasses(keras_internals.data_adapter_class()):
     @property
     def num_batches(self):
         return self.batches.plan.num_batches
-
-    @property
-    def batch_size(self):
-        return None  # As for a generator: the step's batch size is the padded batch's.
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
 
 
 def _tensor_spec(leaf):

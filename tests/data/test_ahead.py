@@ -100,6 +100,9 @@ def test_acc_fit_places_batches_as_the_distribution_lays_them_out():
     y = (x[:, 0] > 0).astype("int64")
     batches = acc._batches(x, y, 16, True, None, None, True, "pad")
     data = acc._runtime.wrap(batches, carry_mask=True)
+    if acc.distribution is None and acc.devices[0].startswith("cpu"):
+        assert isinstance(data, StaticBatchDataset)  # One CPU device: no look-ahead.
+        return
     assert isinstance(data, OneBatchAhead)
     batch = next(iter(data.get_jax_iterator()))
     x_placed = unpack(batch)[0]
@@ -113,3 +116,13 @@ def test_acc_fit_places_batches_as_the_distribution_lays_them_out():
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
     assert len(history.history["loss"]) == 2
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="placement on JAX devices")
+def test_one_cpu_device_reads_without_look_ahead_as_keras_does():
+    from keras_accel import Accelerator
+
+    acc = Accelerator(strategy="single")
+    x = np.zeros((32, 4), "float32")
+    batches = acc._batches(x, np.zeros(32, "int64"), 16, True, None, None, True, "pad")
+    assert isinstance(acc._runtime.wrap(batches, carry_mask=True), StaticBatchDataset)

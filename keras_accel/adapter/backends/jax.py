@@ -186,6 +186,9 @@ class Runtime:
     def row_count(self, row_mask):
         return ops.sum(row_mask)
 
+    def _one_cpu_device(self) -> bool:
+        return self.native is None and self.plan.devices[0].startswith("cpu:")
+
     def place_batch(self, batch):
         """`batch`'s numeric arrays on the devices, laid out as the step takes them: the
         distribution's data layout (what Keras's trainer would place them with), or the one
@@ -218,9 +221,11 @@ class Runtime:
             isinstance(batches, ArrayBatches) and preprocess is None
         ):
             dataset = StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
-            if not carry_mask or rows is not None:
-                # `Accelerator.dataset` (a PyDataset, as it says), or this process's rows of
-                # each batch, which Keras assembles into the global batch as it places them.
+            if not carry_mask or rows is not None or self._one_cpu_device():
+                # `Accelerator.dataset` (a PyDataset, as it says); this process's rows of each
+                # batch, which Keras assembles into the global batch as it places them; or one
+                # CPU device, where Keras looks ahead neither (measured: about 5% slower with
+                # the look-ahead there, docs/benchmarks.md).
                 return dataset
             from keras_accel.data.ahead import OneBatchAhead
 

@@ -15,6 +15,7 @@ from keras_accel.adapter import guard
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
+from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals
@@ -483,14 +484,16 @@ class Runtime:
         return self.native.distribute_datasets_from_function(lambda context: slices)
 
 
-class DistributedBatches(keras_internals.data_adapter_class()):
+class DistributedBatches(PaddedBatchesAdapter):
     """A distributed data set of ours as Keras's TF trainer reads it: a Keras `DataAdapter`
-    (Keras's `get_data_adapter` takes one as it is, and its TF epoch iterator a
-    `DistributedDataset` as it is), whose length is in global batches. The distributed
-    data set's own cardinality counts its replicas' slices, one element each.
+    (Keras's TF epoch iterator takes a `DistributedDataset` as it is) whose length is in
+    global batches. The distributed data set's own cardinality counts its replicas'
+    slices, one element each.
 
     `keras_accel_local` is the undistributed pipeline, what the model is built from
     (`keras_accel.adapter.accelerator._first_batch`)."""
+
+    feeds = "TensorFlow's trainer"
 
     def __init__(self, distributed, local, num_batches: int | None):
         self.distributed = distributed
@@ -500,26 +503,9 @@ class DistributedBatches(keras_internals.data_adapter_class()):
     def get_tf_dataset(self):
         return self.distributed
 
-    def get_numpy_iterator(self):
-        raise NotImplementedError("A tf.distribute data set feeds TensorFlow's trainer only.")
-
-    get_jax_iterator = get_torch_dataloader = get_numpy_iterator
-
     @property
     def num_batches(self):
         return self._num_batches
-
-    @property
-    def batch_size(self):
-        return None  # As for a tf.data.Dataset: the step's batch size is the batch's.
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
 
 
 def _check_not_nested(ours) -> None:

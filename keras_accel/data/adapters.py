@@ -1,0 +1,38 @@
+"""What keras_accel's own Keras data adapters share.
+
+Keras's `get_data_adapter` takes any `DataAdapter` as it is, which is how an input of ours
+reaches Keras's trainers with what Keras's own adapters cannot give: a fresh pass of a
+Grain data set every epoch (`keras_accel.data.grain`), batches placed on the devices one
+step ahead (`keras_accel.data.ahead`), a distributed data set counted in global batches
+(`keras_accel.adapter.backends.tensorflow`). Their batches are already made and padded to
+one static size, so none has a partial batch, and a step's batch size is the batch's.
+"""
+
+from __future__ import annotations
+
+from keras_accel.utils import keras_internals
+
+
+class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
+    """A Keras `DataAdapter` over batches padded to one static size. A subclass gives the
+    iterators its backend reads and `num_batches`; the others say what it feeds."""
+
+    feeds = "one backend's trainer"  # For the error of an iterator it does not give.
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} feeds {self.feeds} only.")
+
+    get_numpy_iterator = get_tf_dataset = get_jax_iterator = _unsupported
+    get_torch_dataloader = _unsupported
+
+    @property
+    def batch_size(self):
+        return None  # As for a generator: the step's batch size is the padded batch's.
+
+    @property
+    def has_partial_batch(self):
+        return None  # Every batch is padded to the static size.
+
+    @property
+    def partial_batch_size(self):
+        return None
