@@ -1,0 +1,143 @@
+"""Where `acc.fit`'s time goes on TensorFlow with 8 replicas: plain `model.fit`, `acc.fit`, and
+`acc.fit` with one of its per-step costs taken out at a time, side by side in one process.
+
+A diagnostic, not a supported mode: each variant replaces one piece of keras_accel for its
+own model (the numbers it trains are then not exact any more), to see what that piece costs.
+
+- `no_bn_sync`: BatchNormalization moments over real rows, without the all-reduce that keeps
+  every replica's statistics equal (`keras_accel.adapter.batchnorm`);
+- `no_global_metrics`: the metrics' results read locally instead of across replicas;
+- `neither`: both of those;
+- `keras_distribution`: the batches fed through Keras's own `experimental_distribute_dataset`
+  instead of the Accelerator's replica slices;
+- `local_row_count`: the real-row count of each batch without its all-reduce.
+
+    python benchmarks/tf_step_costs.py --model mlp --batch-size 1024
+    python benchmarks/tf_step_costs.py --variants keras_distribution,local_row_count
+
+Every variant fits one epoch of 4 steps in turn, after a compiling epoch each, for
+`--rounds` rounds; the figure is the median epoch time, and plain / variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+VARIANTS = ("acc", "no_bn_sync", "no_global_metrics", "neither", "keras_distribution")
+VARIANTS += ("local_row_count",)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras_accel
+
+    keras_accel.configure_virtual_cpu_devices(args.devices)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_accel.adapter.backends.tensorflow as tf_backend
+    import keras_accel.adapter.session as session
+    from keras_accel import Accelerator
+    from keras_accel.models import cnn, compile_seed, mlp
+
+    acc = Accelerator(seed=0)
+    rows = args.batch_size * 4
+    rng = np.random.default_rng(0)
+    x = rng.random((rows, 32, 32, 3), dtype="float32")
+    y = keras.utils.to_categorical(rng.integers(0, 10, rows), 10)
+
+    def build():
+        with acc.scope():
+            if args.model == "mlp":
+                model = mlp(input_shape=(32, 32, 3), num_classes=10)
+            else:
+                model = cnn(input_shape=(32, 32, 3), num_classes=10, width=0.25)
+            return compile_seed(model)
+
+    originals = {
+        (session, "install_batchnorm"): session.install_batchnorm,
+        (tf_backend, "install_global_results"): tf_backend.install_global_results,
+        (tf_backend.Runtime, "distribute"): tf_backend.Runtime.distribute,
+        (tf_backend.Runtime, "row_count"): tf_backend.Runtime.row_count,
+    }
+
+    def use(variant: str) -> None:
+        for (owner, name), value in originals.items():
+            setattr(owner, name, value)
+        if variant in ("no_bn_sync", "neither"):
+            bn = originals[(session, "install_batchnorm")]
+            session.install_batchnorm = lambda patches, model, _sum=None: bn(patches, model)
+        if variant in ("no_global_metrics", "neither"):
+            tf_backend.install_global_results = lambda *args, **kwargs: None
+        if variant == "keras_distribution":
+            tf_backend.Runtime.distribute = lambda self, pipeline, rows, own=False: (
+                self.native.experimental_distribute_dataset(pipeline)
+            )
+        if variant == "local_row_count":
+            tf_backend.Runtime.row_count = lambda self, mask: tf.reduce_sum(
+                tf.cast(mask, tf.float32)
+            )
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds = time.perf_counter() - self.start
+
+    names = ["plain", *variants]
+    models = {name: build() for name in names}
+
+    def epoch(name: str) -> float:
+        timer = Timer()
+        if name == "plain":
+            with acc.scope():
+                models[name].fit(
+                    x, y, batch_size=args.batch_size, epochs=1, verbose=0, callbacks=[timer]
+                )
+            return timer.seconds
+        use(name)  # Traced under this variant on its first call: each model keeps its own.
+        try:
+            acc.fit(
+                models[name], x, y, batch_size=args.batch_size, epochs=1, verbose=0,
+                callbacks=[timer],
+            )  # fmt: skip
+        finally:
+            use("acc")
+        return timer.seconds
+
+    for name in names:
+        epoch(name)  # Compilation.
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            times[name].append(epoch(name))
+    plain = statistics.median(times["plain"])
+    print(f"| {args.model}@{args.batch_size}, {acc.num_replicas} replicas | s/epoch | plain / it |")
+    print("|---|---:|---:|")
+    for name in names:
+        median = statistics.median(times[name])
+        print(f"| {name} | {median:.3f} | {plain / median:.3f} |")
+    print(f"load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
