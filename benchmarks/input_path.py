@@ -9,6 +9,11 @@ The ratio is plain epoch time / `acc.fit` epoch time (>= 1: the Accelerator is a
 the median of the rounds' ratios with their spread, so that machine noise, which hits both
 alike within a round, cancels as far as it can.
 
+On TensorFlow with several replicas a third model is fitted in each round by
+`Accelerator(sync_batchnorm=False)`: BatchNormalization statistics per replica, as plain
+Keras computes them there, where the default's are the global batch's (two all-reduces per
+layer and step, which plain Keras does not pay); "ratio, local BN" is plain / that.
+
     python benchmarks/input_path.py                      # every row (about 30 min on 2 cores)
     python benchmarks/input_path.py --quick              # MLP only, batch 256 and 1024, 1 round
     python benchmarks/input_path.py --backends tensorflow --devices 1 --models mlp
@@ -59,7 +64,11 @@ def measure(args) -> dict:
                 model = cnn(input_shape=(32, 32, 3), num_classes=10, width=args.cnn_width)
             return compile_seed(model)
 
+    # Same devices, so the same tf.distribute strategy: models built in acc's scope suit it.
+    local = Accelerator(seed=0, sync_batchnorm=False)
+    third = acc.backend == "tensorflow" and acc.num_replicas > 1
     plain, ours = build(), build()
+    theirs = build() if third else None
     if acc.backend == "jax" and acc.distribution is not None:
         keras.distribution.set_distribution(acc.distribution)
 
@@ -81,12 +90,30 @@ def measure(args) -> dict:
         acc.fit(ours, x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
         return timer.seconds
 
+    def local_epoch():
+        timer = Timer()
+        local.fit(theirs, x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
+        return timer.seconds
+
     plain_epoch(), acc_epoch()  # Compilation.
-    t_plain, t_acc = [], []
+    if third:
+        local_epoch()
+    t_plain, t_acc, t_local = [], [], []
     for _ in range(args.rounds):
         t_plain.append(plain_epoch())
         t_acc.append(acc_epoch())
+        if third:
+            t_local.append(local_epoch())
     ratios = [p / a for p, a in zip(t_plain, t_acc)]
+    extra = {}
+    if third:
+        local_ratios = [p / a for p, a in zip(t_plain, t_local)]
+        extra = {
+            "local_s": statistics.median(t_local),
+            "ratio_local": statistics.median(local_ratios),
+            "ratio_local_min": min(local_ratios),
+            "ratio_local_max": max(local_ratios),
+        }
     return {
         "backend": acc.backend,
         "replicas": acc.num_replicas,
@@ -99,6 +126,7 @@ def measure(args) -> dict:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "load": os.getloadavg()[0],
+        **extra,
     }
 
 
@@ -145,9 +173,9 @@ def main() -> int:
                     print(json.dumps(row), file=sys.stderr, flush=True)
     print(
         "| backend | devices | model | batch | model.fit s/epoch | acc.fit s/epoch | "
-        "ratio (median) | ratio spread | load |"
+        "ratio (median) | ratio spread | ratio, local BN | its spread | load |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|")
     for r in rows:
         if "error" in r:
             print(
@@ -155,10 +183,14 @@ def main() -> int:
                 f"error: {r['error']} |"
             )
             continue
+        local = " | "
+        if "ratio_local" in r:
+            spread = f"{r['ratio_local_min']:.2f}-{r['ratio_local_max']:.2f}"
+            local = f"{r['ratio_local']:.2f} | {spread}"
         print(
             f"| {r['backend']} | {r['replicas']} | {r['model']} | {r['batch']} | "
             f"{r['plain_s']:.2f} | {r['acc_s']:.2f} | {r['ratio']:.2f} | "
-            f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['load']:.1f} |"
+            f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {local} | {r['load']:.1f} |"
         )
     print(
         f"\n{args.steps} steps per epoch, {args.rounds} rounds, "

@@ -70,6 +70,14 @@ class Accelerator:
             `keras_accel.adapter.fusion`), with results equal to one step per call; an int
             fixes it (1 turns fusion off). A model compiled with `steps_per_execution` > 1
             keeps its own.
+        sync_batchnorm: True (default): BatchNormalization statistics are those of the
+            global batch's real rows, on every replica, so training equals one-device
+            training. On TensorFlow with several replicas that costs two all-reduces per
+            layer and step (about 7% of a step of the seed MLP on 8 CPU replicas,
+            docs/benchmarks.md); False keeps each replica's statistics over its own real
+            rows, as plain Keras does there (layers built with `synchronized=True` still
+            synchronize). On JAX the program sees the global batch, so statistics are
+            global either way, as in Keras.
 
     Example:
         >>> import keras, numpy as np
@@ -94,9 +102,17 @@ class Accelerator:
         layout_map: Any = None,
         remainder: str | None = None,
         steps_per_execution: str | int = fusion.AUTO,
+        sync_batchnorm: bool = True,
     ):
         check_strategy_name(strategy)
         self.steps_per_execution = fusion.check(steps_per_execution)
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(
+                "`sync_batchnorm` must be True (BatchNormalization statistics over the global "
+                "batch, as on one device) or False (each replica's own, as plain Keras on "
+                f"TensorFlow). Received: sync_batchnorm={sync_batchnorm!r}"
+            )
+        self._sync_batchnorm = sync_batchnorm
         if mixed_precision not in MIXED_PRECISION:
             valid = [k for k in MIXED_PRECISION if k]
             raise ValueError(
@@ -197,6 +213,12 @@ class Accelerator:
         """The backend object: a `keras.distribution.Distribution`, a `tf.distribute.Strategy`,
         or None for a single device."""
         return self._runtime.native
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        """Whether BatchNormalization statistics span the global batch (see the argument).
+        Fixed for the Accelerator's life: the steps it compiles keep it."""
+        return self._sync_batchnorm
 
     @property
     def num_recompiles(self) -> int:
@@ -518,6 +540,7 @@ class Accelerator:
             self._functions,
             first_batch=first,
             patch=patch,
+            sync_batchnorm=self._sync_batchnorm,
         )
 
     def _fuse(

@@ -98,6 +98,7 @@ class Session:
         functions: FunctionCache,
         first_batch: Callable,
         patch: Callable | None = None,
+        sync_batchnorm: bool = True,
     ):
         self.model = model
         self.contracts = dict(contracts)
@@ -106,6 +107,7 @@ class Session:
         self.functions = functions
         self.first_batch = first_batch
         self.patch = patch
+        self.sync_batchnorm = sync_batchnorm
         self.patches = Patches()
         self._keys: dict[str, tuple] = {}
         self._outer: Session | None = None
@@ -163,7 +165,7 @@ class Session:
         install_metric_masks(patches, model)
         if getattr(model, "_loss_tracker", None) is not None:
             install_loss_trackers(patches, model)
-        install_batchnorm(patches, model, runtime.all_reduce_sum)
+        install_batchnorm(patches, model, runtime.all_reduce_sum, self.sync_batchnorm)
         if self.patch is not None:
             self.patch(patches)
 

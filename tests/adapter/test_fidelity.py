@@ -121,10 +121,12 @@ def test_no_trace_left_behind(tmp_path):
     assert got == pytest.approx(want)
 
 
-def test_synchronized_batchnorm_keeps_keras_meaning(backend):
+@pytest.mark.parametrize("sync_batchnorm", [True, False])
+def test_synchronized_batchnorm_keeps_keras_meaning(backend, sync_batchnorm):
     if backend != "tensorflow":
         pytest.skip("Keras takes BatchNormalization(synchronized=True) on TensorFlow only")
-    acc = Accelerator()
+    # A layer built synchronized stays synchronized, whatever the Accelerator's default.
+    acc = Accelerator(devices=FEW_REPLICAS, sync_batchnorm=sync_batchnorm)
     with acc.scope():
         model = keras.Sequential(
             [
@@ -144,6 +146,38 @@ def test_synchronized_batchnorm_keeps_keras_meaning(backend):
     assert_weights_close(model.get_weights(), twin.get_weights())
     layer = model.layers[1]
     assert layer.synchronized and "_moments" not in layer.__dict__
+
+
+def test_sync_batchnorm_false_keeps_each_replicas_statistics(backend):
+    # sync_batchnorm=False: each replica's statistics over its own rows, as plain Keras
+    # computes them on TF, and so the same training as plain model.fit under the same
+    # strategy; on JAX the program sees the global batch, so it equals one device.
+    acc = Accelerator(devices=FEW_REPLICAS, sync_batchnorm=False)
+    if acc.num_replicas == 1:
+        pytest.skip("one device: nothing to synchronize")
+    x, y = data(96)
+    with acc.scope():
+        model, distributed = compiled_mlp(), compiled_mlp()
+    one_device = compiled_mlp()
+    distributed.set_weights(model.get_weights())
+    one_device.set_weights(model.get_weights())
+    acc.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with acc.scope():
+        distributed.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    one_device.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    bn = next(i for i, layer in enumerate(model.layers) if "batch_normalization" in layer.name)
+    moving_variance = model.layers[bn].moving_variance.path
+    index = [v.path for v in model.weights].index(moving_variance)
+    if backend == "tensorflow":
+        assert_weights_close(model.get_weights(), distributed.get_weights(), atol=1e-5)
+        # Not the global batch's statistics: a replica's 8 rows have another variance.
+        ours, global_ = model.get_weights()[index], one_device.get_weights()[index]
+        assert not np.allclose(ours, global_, atol=1e-4), (ours, global_)
+    else:
+        assert_weights_close(model.get_weights(), one_device.get_weights(), atol=1e-5)
+    # The default synchronizes: one-device training (covered for 8 replicas elsewhere).
+    with pytest.raises(TypeError, match="sync_batchnorm.*Received: sync_batchnorm='no'"):
+        Accelerator(sync_batchnorm="no")
 
 
 def test_model_compiled_again_outside_the_scope_is_refused_the_same_way():

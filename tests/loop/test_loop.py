@@ -8,7 +8,7 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
-from tests.helpers import assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
 
 ROWS, BATCH, EPOCHS = 101, 16, 2  # 7 batches an epoch, the last with 5 real rows.
 
@@ -87,6 +87,21 @@ def test_loop_equals_accelerator_fit():
     other.set_weights(model.get_weights())
     _train(acc.loop(model), x, y, shuffle=True)
     acc.fit(other, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0)
+    assert_weights_close(model.get_weights(), other.get_weights(), atol=1e-5)
+
+
+def test_loop_keeps_the_accelerators_batchnorm_choice():
+    # sync_batchnorm=False: the loop's BatchNormalization statistics are each replica's own
+    # (TF), as in acc.fit with the same Accelerator; with True they would be the global ones.
+    acc = Accelerator(devices=FEW_REPLICAS, seed=0, sync_batchnorm=False)
+    model, _ = _models(acc)
+    with acc.scope():
+        other = compiled_mlp()
+        other.compile(_optimizer(), "sparse_categorical_crossentropy")
+    other.set_weights(model.get_weights())
+    x, y = data(96)  # Whole batches: no padding.
+    _train(acc.loop(model), x, y)
+    acc.fit(other, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), other.get_weights(), atol=1e-5)
 
 

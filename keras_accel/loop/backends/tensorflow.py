@@ -98,9 +98,15 @@ class Steps:
             function = tf.function(step if group is None else _fused(step))
             self._compiled[key] = function
         with Patches() as patches:
-            # While tracing: BatchNormalization over real rows, synchronized across replicas;
+            # While tracing: BatchNormalization over real rows, synchronized across replicas
+            # (unless `sync_batchnorm=False`);
             # the optimizer averages the replicas' gradients before clipping, as on JAX.
-            install_batchnorm(patches, loop.model, self.runtime.all_reduce_sum)
+            install_batchnorm(
+                patches,
+                loop.model,
+                self.runtime.all_reduce_sum,
+                loop.accelerator.sync_batchnorm,
+            )
             if self.runtime.num_replicas > 1:
                 install_global_batch_losses(patches)
             if group is not None:  # The count is a tensor: one program for every group.
