@@ -1,11 +1,16 @@
 """Where `acc.fit`'s time goes on TensorFlow with 8 replicas: plain `model.fit`, `acc.fit`, and
 `acc.fit` with one of its per-step costs taken out at a time, side by side in one process.
 
-A diagnostic, not a supported mode: each variant replaces one piece of keras_accel for its
-own model (the numbers it trains are then not exact any more), to see what that piece costs.
+A diagnostic: but for `local_bn` (the public `Accelerator(sync_batchnorm=False)`) and
+`plain_synchronized`, each variant replaces one piece of keras_accel for its own model (the
+numbers it trains are then not exact any more), to see what that piece costs.
 
-- `no_bn_sync`: BatchNormalization moments over real rows, without the all-reduce that keeps
-  every replica's statistics equal (`keras_accel.adapter.batchnorm`);
+- `local_bn`: `Accelerator(sync_batchnorm=False)`: BatchNormalization moments over each
+  replica's real rows, without the all-reduces that make them the global batch's
+  (`keras_accel.adapter.batchnorm`), as plain Keras computes them;
+- `plain_synchronized`: plain `model.fit` with every BatchNormalization layer built
+  `synchronized=True`: what plain Keras pays for the global statistics `acc.fit` keeps;
+- `no_bn_sync`: the same as `local_bn`, by replacing our installation;
 - `no_global_metrics`: the metrics' results read locally instead of across replicas;
 - `neither`: both of those;
 - `keras_distribution`: the batches fed through Keras's own `experimental_distribute_dataset`
@@ -15,8 +20,10 @@ own model (the numbers it trains are then not exact any more), to see what that 
     python benchmarks/tf_step_costs.py --model mlp --batch-size 1024
     python benchmarks/tf_step_costs.py --variants keras_distribution,local_row_count
 
-Every variant fits one epoch of 4 steps in turn, after a compiling epoch each, for
-`--rounds` rounds; the figure is the median epoch time, and plain / variant.
+Every variant fits one epoch of `--steps` steps in turn, after a compiling epoch each, for
+`--rounds` rounds; the figure is the median time of one step (between two batch ends, so
+neither the epoch's start nor its end counts; a batch hook turns host-loop fusion off, for
+every variant alike), and plain / variant.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ import os
 import statistics
 import time
 
-VARIANTS = ("acc", "no_bn_sync", "no_global_metrics", "neither", "keras_distribution")
-VARIANTS += ("local_row_count",)
+VARIANTS = ("acc", "local_bn", "plain_synchronized", "no_bn_sync", "no_global_metrics")
+VARIANTS += ("neither", "keras_distribution", "local_row_count")
 
 
 def main() -> int:
@@ -36,6 +43,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12, help="steps per epoch")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -58,17 +66,23 @@ def main() -> int:
     from keras_accel.models import cnn, compile_seed, mlp
 
     acc = Accelerator(seed=0)
-    rows = args.batch_size * 4
+    # Same devices, so the same tf.distribute strategy: acc's models suit it.
+    local = Accelerator(seed=0, sync_batchnorm=False)
+    rows = args.batch_size * args.steps
     rng = np.random.default_rng(0)
     x = rng.random((rows, 32, 32, 3), dtype="float32")
     y = keras.utils.to_categorical(rng.integers(0, 10, rows), 10)
 
-    def build():
+    def build(name):
         with acc.scope():
             if args.model == "mlp":
                 model = mlp(input_shape=(32, 32, 3), num_classes=10)
             else:
                 model = cnn(input_shape=(32, 32, 3), num_classes=10, width=0.25)
+            if name == "plain_synchronized":
+                for layer in model._flatten_layers():
+                    if isinstance(layer, keras.layers.BatchNormalization):
+                        layer.synchronized = True  # Read when the step is traced.
             return compile_seed(model)
 
     originals = {
@@ -83,7 +97,7 @@ def main() -> int:
             setattr(owner, name, value)
         if variant in ("no_bn_sync", "neither"):
             bn = originals[(session, "install_batchnorm")]
-            session.install_batchnorm = lambda patches, model, _sum=None: bn(patches, model)
+            session.install_batchnorm = lambda patches, model, *_: bn(patches, model)
         if variant in ("no_global_metrics", "neither"):
             tf_backend.install_global_results = lambda *args, **kwargs: None
         if variant == "keras_distribution":
@@ -97,31 +111,30 @@ def main() -> int:
 
     class Timer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+            self.ends = []
 
-        def on_epoch_end(self, epoch, logs=None):
-            self.seconds = time.perf_counter() - self.start
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def step(self) -> float:
+            return float(np.median(np.diff(self.ends)))
 
     names = ["plain", *variants]
-    models = {name: build() for name in names}
+    models = {name: build(name) for name in names}
 
     def epoch(name: str) -> float:
         timer = Timer()
-        if name == "plain":
+        kwargs = dict(batch_size=args.batch_size, epochs=1, verbose=0, callbacks=[timer])
+        if name.startswith("plain"):
             with acc.scope():
-                models[name].fit(
-                    x, y, batch_size=args.batch_size, epochs=1, verbose=0, callbacks=[timer]
-                )
-            return timer.seconds
+                models[name].fit(x, y, **kwargs)
+            return timer.step()
         use(name)  # Traced under this variant on its first call: each model keeps its own.
         try:
-            acc.fit(
-                models[name], x, y, batch_size=args.batch_size, epochs=1, verbose=0,
-                callbacks=[timer],
-            )  # fmt: skip
+            (local if name == "local_bn" else acc).fit(models[name], x, y, **kwargs)
         finally:
             use("acc")
-        return timer.seconds
+        return timer.step()
 
     for name in names:
         epoch(name)  # Compilation.
@@ -130,7 +143,7 @@ def main() -> int:
         for name in names:
             times[name].append(epoch(name))
     plain = statistics.median(times["plain"])
-    print(f"| {args.model}@{args.batch_size}, {acc.num_replicas} replicas | s/epoch | plain / it |")
+    print(f"| {args.model}@{args.batch_size}, {acc.num_replicas} replicas | s/step | plain / it |")
     print("|---|---:|---:|")
     for name in names:
         median = statistics.median(times[name])
