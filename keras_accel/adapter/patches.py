@@ -66,8 +66,24 @@ class Patches:
         self._undo.append(undo)
 
     def restore(self) -> None:
+        """Undo every change, newest first. An undo that raises does not stop the others:
+        each is tried, then the first error is raised (the later ones chained to it), so
+        one failure never leaves the rest of the call's changes behind."""
+        errors: list[BaseException] = []
         while self._undo:
-            self._undo.pop()()
+            undo = self._undo.pop()
+            try:
+                undo()
+            except BaseException as error:  # Raised below, after the rest are undone.
+                errors.append(error)
+        if errors:
+            first = errors[0]
+            if len(errors) > 1 and hasattr(first, "add_note"):  # Python 3.11+.
+                first.add_note(
+                    f"keras_accel: {len(errors) - 1} more undo(s) of this call also failed: "
+                    + "; ".join(f"{type(e).__name__}: {e}" for e in errors[1:])
+                )
+            raise first
 
     def __enter__(self) -> Patches:
         return self
