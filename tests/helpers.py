@@ -1,5 +1,8 @@
 """Shared test helpers: tiny models and data, and readers of what really ran."""
 
+import doctest
+import importlib
+import inspect
 import os
 
 import keras
@@ -72,3 +75,33 @@ def per_replica_values(variable):
     if hasattr(value, "addressable_shards"):
         return [np.asarray(s.data) for s in value.addressable_shards]
     return [np.asarray(value)]
+
+
+def run_docstring_examples(name):
+    """Run the docstring examples of module `name` and of the classes and functions it exports.
+
+    `doctest.testmod` sees only what the module itself defines, so a package that re-exports
+    its classes (`keras_accel.callbacks`) yields no examples and passes while checking nothing;
+    this walks the module and each class or function in its `__all__` with `DocTestFinder`,
+    runs every example once, and fails when no example was found as well as when one fails.
+    """
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder()
+    found = finder.find(module)
+    for attr in getattr(module, "__all__", ()):
+        obj = getattr(module, attr)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            found += finder.find(obj, f"{name}.{attr}")
+    tests, seen = [], set()
+    for test in sorted(found, key=lambda t: (t.filename or "", t.lineno or 0, t.name)):
+        where = (test.filename, test.lineno, test.docstring)
+        if test.examples and where not in seen:
+            seen.add(where)
+            tests.append(test)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted > 0, f"{name}: no docstring examples found in it or its exports"
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
+    return result

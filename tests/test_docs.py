@@ -5,13 +5,14 @@ in " ..." is a prefix. Pages with their own doc test (docs/schedules.md) are ski
 """
 
 import contextlib
-import doctest
-import importlib
 import io
+import os
 import pathlib
 import re
 
 import pytest
+
+from tests.helpers import run_docstring_examples
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OWN_TESTS = {"schedules.md"}
@@ -23,7 +24,29 @@ BLOCKS = [
     for page in PAGES
     for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
 ]
-DOCSTRING_MODULES = ["keras_accel", "keras_accel.adapter.accelerator", "keras_accel.utils.devices"]
+# keras_accel.utils.devices is not here: its one example (configure_virtual_cpu_devices) is a
+# fenced block, not a doctest, since it must run before the backend touches a device.
+DOCSTRING_MODULES = [
+    "keras_accel",
+    "keras_accel.adapter.accelerator",
+    "keras_accel.data.cifar10",
+    "keras_accel.data.text",
+    pytest.param(
+        "keras_accel.loop",
+        # Its example builds the SGD optimizer outside `acc.scope()`, which acc.loop refuses
+        # on more than one replica ("The optimizer was created outside `acc.scope()`"); the
+        # fix is the docstring's (keras_accel/loop/__init__.py). Strict: it fails once fixed.
+        marks=pytest.mark.xfail(
+            int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8")) > 1,
+            reason="keras_accel.loop's docstring example creates its optimizer outside acc.scope()",
+            raises=AssertionError,
+            strict=True,
+        ),
+    ),
+    "keras_accel.models.bert",
+    "keras_accel.models.flops",
+    "keras_accel.models.seed",
+]
 
 
 def check_claims(block: str, printed: list[str]) -> None:
@@ -59,5 +82,21 @@ def test_doc_block(page, index, block):
 
 @pytest.mark.parametrize("name", DOCSTRING_MODULES)
 def test_docstring_examples(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
+    run_docstring_examples(name)
+
+
+def test_every_module_with_docstring_examples_is_checked():
+    from tests.benchmark.test_docstrings import MODULES as BENCHMARK
+    from tests.callbacks.test_docstrings import MODULES as CALLBACKS
+    from tests.schedules.test_schedules_docs import MODULES as SCHEDULES
+
+    listed = [getattr(m, "values", [m])[0] for m in DOCSTRING_MODULES]  # pytest.param's value
+    checked = {*listed, *BENCHMARK, *CALLBACKS, *SCHEDULES}
+    package = ROOT / "keras_accel"
+    with_examples = set()
+    for path in package.rglob("*.py"):
+        if re.search(r"^\s*>>> ", path.read_text(), re.M):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            with_examples.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert len(with_examples) > 10, with_examples
+    assert with_examples <= checked, sorted(with_examples - checked)

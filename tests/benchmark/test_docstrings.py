@@ -1,9 +1,8 @@
 """The examples in the benchmark modules' docstrings run and print what they say."""
 
-import doctest
-import importlib
-
 import pytest
+
+from tests.helpers import run_docstring_examples
 
 MODULES = [
     "keras_accel.benchmark",
@@ -18,5 +17,4 @@ MODULES = [
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
+    run_docstring_examples(name)

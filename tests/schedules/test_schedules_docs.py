@@ -1,13 +1,13 @@
 """The examples in docs/schedules.md and in the docstrings run, and print what they say."""
 
 import contextlib
-import doctest
-import importlib
 import io
 import pathlib
 import re
 
 import pytest
+
+from tests.helpers import run_docstring_examples
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "schedules.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
@@ -53,5 +53,4 @@ def test_doc_block_runs(index):
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
+    run_docstring_examples(name)
