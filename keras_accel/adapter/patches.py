@@ -65,6 +65,11 @@ class Patches:
 
         self._undo.append(undo)
 
+    def add(self, undo: Callable[[], None]) -> None:
+        """Call `undo()` at `restore()`, in its turn: for a change that is not one attribute
+        (a variable added to an optimizer's list, say), made by the caller."""
+        self._undo.append(undo)
+
     def restore(self) -> None:
         """Undo every change, newest first. An undo that raises does not stop the others:
         each is tried, then the first error is raised (the later ones chained to it), so

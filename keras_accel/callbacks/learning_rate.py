@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +101,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         # the optimizer then evaluates inside every step.
         self._in_step = None
         self._group = None
+        # Puts back what this fit changed on the optimizer (its schedule, where it was built
+        # with one) and the model's train function, at `on_train_end`.
+        self._give_back = None
 
     # ------------------------------------------------------------------ fusion
     def _fusion_period(self, kind: str, steps: int | None) -> int | None:
@@ -115,17 +119,27 @@ class LearningRateScheduler(keras.callbacks.Callback):
         return isinstance(self.schedule, keras.optimizers.schedules.LearningRateSchedule)
 
     def _fuse(self, patches, model, n: int, epochs: int | None = None, steps=None) -> None:
-        """For one fused Accelerator call: the optimizer evaluates the schedule itself, at
-        its own step count, inside every compiled step, so the rate changes at every step of
-        a group; the hooks only report it. Undone with `patches`."""
-        if epochs is None or n == 1 or self.update_freq != "step" or not self._schedule_in_step():
-            return  # Not a fit (only fit passes its length), or nothing to move into the step.
-        bound = self._bind({"epochs": epochs, "steps": steps})
-        # The rate variable a step-by-step run would leave, set to the last rate at the
-        # end (`on_train_end`), so the optimizer ends as it would without fusion.
-        self._variable, _ = rate_variable(model)
-        patches.set(_inner(model.optimizer), "_learning_rate", bound)
-        patches.set(self, "_in_step", bound)
+        """For one Accelerator fit, undone with `patches` on every way out of the call.
+
+        Fused (`n` > 1) with a per-step schedule object: the optimizer evaluates the schedule
+        itself, at its own step count, inside every compiled step, so the rate changes at
+        every step of a group; the hooks only report it. Otherwise the rate variable the
+        hooks set is installed here, before the Accelerator keys its compiled steps, so a
+        later fit finds them again (the same variable is installed again)."""
+        if epochs is None or getattr(model, "optimizer", None) is None:
+            return  # Not a fit (only fit passes its length).
+        if n > 1 and self.update_freq == "step" and self._schedule_in_step():
+            bound = self._bind({"epochs": epochs, "steps": steps})
+            # A float-built optimizer's rate variable ends at the last rate (`on_train_end`),
+            # as a step-by-step run leaves it; a schedule-built one gets its schedule back.
+            current = _inner(model.optimizer)._learning_rate
+            self._variable = current if isinstance(current, keras.Variable) else None
+            patches.set(_inner(model.optimizer), "_learning_rate", bound)
+            patches.set(self, "_in_step", bound)
+            return
+        _, give_back = rate_variable(model)
+        if give_back is not None:
+            patches.add(give_back)
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
@@ -133,9 +147,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         # fit calls this before it builds its train function, which then includes the
         # rate variable; a function built earlier around a schedule is dropped.
         if getattr(model, "optimizer", None) is not None and self._in_step is None:
-            _, created = rate_variable(model)
-            if created:
-                model.train_function = None
+            _, give_back = rate_variable(model)
+            if give_back is not None:
+                self._took(model, give_back)
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -148,8 +162,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         if self._in_step is not None:
             self._bound = self._in_step
             return
-        _, created = rate_variable(model)
-        if created:  # Driven without set_model: rebuild the step around the variable.
+        _, give_back = rate_variable(model)
+        if give_back is not None:  # Driven without set_model: rebuild the step around it.
+            self._took(model, give_back)
             model.make_train_function(force=True)
         self._bound = self._bind()
         if self.update_freq == "step" and (getattr(model, "steps_per_execution", 1) or 1) > 1:
@@ -198,9 +213,28 @@ class LearningRateScheduler(keras.callbacks.Callback):
             logs["learning_rate"] = self._applied
 
     def on_train_end(self, logs=None):
-        if self._in_step is not None and self._applied is not None:
+        if self._in_step is not None and self._applied is not None and self._variable is not None:
             self.model  # noqa: B018 -- pulls the JAX training state onto the variables first.
             self._variable.assign(self._applied)
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+    def _took(self, model, give_back) -> None:
+        """This fit installed a rate variable (`give_back` removes it): the train function
+        traced before reads the optimizer's schedule, so it is set aside for this fit and
+        comes back with the schedule. Keras skips `on_train_end` when fit raises: then the
+        variable stays, holding the last rate (under an Accelerator call, the call puts the
+        schedule back on every way out)."""
+        previous = model.train_function
+        model.train_function = None
+
+        def undo():
+            give_back()
+            model.train_function = previous
+
+        if self._give_back is None:
+            self._give_back = undo
 
     # ------------------------------------------------------------------ helpers
     def _bind(self, params=None):
@@ -338,20 +372,27 @@ def _check(value: Any, index: int, unit: str, schedule: Any) -> float:
     )
 
 
-def rate_variable(model) -> tuple[Any, bool]:
-    """`(variable, created)`: the optimizer's learning-rate variable, created if the
-    optimizer has a schedule.
+# The rate variable made for each optimizer built with a schedule: installed again by the
+# next fit, so that the steps compiled around it (which the Accelerator keeps between
+# calls, and a custom loop's) still read the variable the optimizer holds.
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
+    """`(variable, give_back)`: the optimizer's learning-rate variable, and None where it
+    had one; where the optimizer has a schedule, a variable installed in its place, and
+    `give_back()`, which puts the schedule back and the optimizer's variable list as it was.
 
     Keras keeps a float rate in a variable that is part of the optimizer's state (so the
     compiled step reads it on every backend), but keeps a schedule object as a function of
-    the iteration count, which cannot be set. The schedule is replaced by a variable holding
-    its current value. A train function traced before must be rebuilt (the caller does):
-    `tf.function` would keep reading the schedule it captured.
+    the iteration count, which cannot be set. The schedule is replaced, for one fit, by a
+    variable holding its current value. A train function traced before must be rebuilt
+    (the caller does): `tf.function` would keep reading the schedule it captured.
     """
     optimizer = _inner(model.optimizer)
     current = optimizer._learning_rate
     if isinstance(current, keras.Variable):
-        return current, False
+        return current, None
     if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
         initial = current(host_step(optimizer.iterations))
     elif callable(current):
@@ -359,15 +400,22 @@ def rate_variable(model) -> tuple[Any, bool]:
     else:
         initial = current
     initial = float(_host(initial))
-    with _variable_scope(model), keras.name_scope(optimizer.name, caller=optimizer):
-        variable = keras.Variable(
-            initial,
-            name="learning_rate",
-            dtype=keras.config.floatx(),
-            trainable=False,
-            aggregation="only_first_replica",
-        )
-    _place_like(variable, optimizer.iterations)
+    where = (_strategy(model), _layout(optimizer.iterations))
+    made = _MADE.get(optimizer)
+    if made is not None and all(a is b for a, b in zip(made[1], where)):
+        variable = made[0]
+        variable.assign(initial)
+    else:
+        with _variable_scope(model), keras.name_scope(optimizer.name, caller=optimizer):
+            variable = keras.Variable(
+                initial,
+                name="learning_rate",
+                dtype=keras.config.floatx(),
+                trainable=False,
+                aggregation="only_first_replica",
+            )
+        _place_like(variable, optimizer.iterations)
+        _MADE[optimizer] = (variable, where)
     optimizer._learning_rate = variable  # Keras's attribute tracking adds it to `variables`.
     # Exactly once, right after the iteration count: where an optimizer built with a float
     # rate has it, so weights saved now load into an optimizer rebuilt from its config.
@@ -375,7 +423,14 @@ def rate_variable(model) -> tuple[Any, bool]:
     position = next((i + 1 for i, v in enumerate(others) if v is optimizer._iterations), 0)
     others.insert(position, variable)
     optimizer._variables[:] = others
-    return variable, True
+
+    def give_back() -> None:
+        if optimizer._learning_rate is variable:
+            # Keras's own setter: a schedule replaces the variable, which it untracks.
+            optimizer.learning_rate = current
+        optimizer._variables[:] = [v for v in optimizer._variables if v is not variable]
+
+    return variable, give_back
 
 
 def _inner(optimizer):
@@ -392,10 +447,22 @@ class _NullScope:
         return False
 
 
+def _layout(variable):
+    """A JAX variable's layout over the mesh (None elsewhere)."""
+    return getattr(variable, "_layout", None)
+
+
+def _strategy(model):
+    """The tf.distribute strategy the model's variables live in (None on other backends)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    return keras_internals.distribute_strategy_of(model)
+
+
 def _variable_scope(model):
     """Where the model's variables live: its tf.distribute strategy on TensorFlow."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    if keras.backend.backend() == "tensorflow" and strategy is not None:
+    strategy = _strategy(model)
+    if strategy is not None:
         return strategy.scope()
     return _NullScope()
 

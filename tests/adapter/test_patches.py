@@ -31,6 +31,17 @@ def test_restore_gives_back_old_values_and_deletes_new_attributes():
     assert len(patches) == 0
 
 
+def test_an_added_undo_runs_in_its_turn():
+    thing, order = _Thing(), []
+    thing.value = "original"
+    patches = Patches()
+    patches.set(thing, "value", "patched")
+    patches.add(lambda: order.append(thing.value))
+    patches.restore()
+    # Newest first: the added undo saw the attribute still patched.
+    assert order == ["patched"] and thing.value == "original"
+
+
 def test_the_same_attribute_set_twice_comes_back_to_the_first_value():
     thing = _Thing()
     thing.value = "original"

@@ -13,6 +13,7 @@ from keras_accel.callbacks import History, LearningRateScheduler
 from keras_accel.callbacks.learning_rate import host_step
 from keras_accel.schedules import PiecewiseConstant, WarmupCosine
 from tests.callbacks._probe import UsedRates, prediction_loss, probe_data, probe_model
+from tests.helpers import FEW_REPLICAS
 
 ROWS, BATCH, EPOCHS = 50, 16, 2  # 4 steps per epoch; the last batch is padded.
 
@@ -26,6 +27,8 @@ def test_step_schedule_object_on_an_optimizer_built_with_a_schedule(num_devices)
     with acc.scope():
         decay = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
         model = probe_model(keras.optimizers.SGD(decay))
+    model.optimizer.build(model.trainable_variables)
+    paths_before = [v.path for v in model.optimizer.variables]
     schedule = WarmupCosine(0.1, warmup_steps=3)
     used, history = UsedRates(), History(per_step=True)
     callbacks = [LearningRateScheduler(schedule, update_freq="step"), used, history]
@@ -43,10 +46,9 @@ def test_step_schedule_object_on_an_optimizer_built_with_a_schedule(num_devices)
     assert history.history["learning_rate"] == pytest.approx(
         [expected[steps_per_epoch - 1], expected[-1]], abs=1e-7
     )
-    # The optimizer keeps a settable rate variable afterwards, in its state.
-    rate = model.optimizer._learning_rate
-    assert isinstance(rate, keras.Variable)
-    assert [v is rate for v in model.optimizer.variables].count(True) == 1
+    # The optimizer gets its own schedule back, and its variables are those it had.
+    assert model.optimizer._learning_rate is decay
+    assert [v.path for v in model.optimizer.variables] == paths_before
 
 
 def test_epoch_schedule_of_epoch_and_rate_with_plain_model_fit_on_replicas():
@@ -318,3 +320,91 @@ def test_host_step_reads_one_count_of_replicated_copies():
     assert host_step(np.array([5, 5, 5, 5, 5, 5, 5, 5])) == 5  # One copy per replica.
     with pytest.raises(ValueError, match=r"the same on every replica.*\[5, 6\]"):
         host_step(np.array([5, 6]))
+
+
+# ---------------------------------------------------------------------------------------
+# What a fit leaves on the optimizer: the schedule it was built with comes back.
+
+
+def _decay():
+    return keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+
+
+class _Functions(keras.callbacks.Callback):
+    """The train function each fit ran with (no batch hook, which would stop fusion)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(self._model.train_function)
+
+
+def test_plain_fit_gives_the_optimizer_its_schedule_back_and_the_next_fit_follows_it():
+    decay = _decay()
+    model = probe_model(keras.optimizers.SGD(decay))
+    model.optimizer.build(model.trainable_variables)
+    paths = [v.path for v in model.optimizer.variables]
+    model.fit(*probe_data(32), batch_size=16, epochs=1, verbose=0)
+    own = model.train_function
+    schedule = LearningRateScheduler(lambda step: 0.01, update_freq="step")
+    model.fit(*probe_data(32), batch_size=16, epochs=1, verbose=0, callbacks=[schedule])
+    assert model.optimizer._learning_rate is decay
+    assert [v.path for v in model.optimizer.variables] == paths
+    assert model.train_function is own  # Traced around the schedule: still right.
+    # A fit without the scheduler follows the schedule again, from the optimizer's count (4).
+    used = UsedRates()
+    model.fit(*probe_data(32), batch_size=16, epochs=1, verbose=0, callbacks=[used])
+    np.testing.assert_allclose(used.rates, [0.5 * 0.5**4, 0.5 * 0.5**5], rtol=1e-5)
+
+
+@pytest.mark.parametrize("fuse", [1, "auto"], ids=["step by step", "fused"])
+def test_acc_fit_gives_the_schedule_back_and_the_next_call_reuses_its_steps(fuse):
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS, steps_per_execution=fuse)
+    decay = _decay()
+    with acc.scope():
+        model = probe_model(keras.optimizers.SGD(decay))
+    model.optimizer.build(model.trainable_variables)
+    paths = [v.path for v in model.optimizer.variables]
+    functions, history = _Functions(), History()
+    for _ in range(2):
+        schedule = LearningRateScheduler(
+            PiecewiseConstant([0.1, 0.05], boundaries=[2]), update_freq="step"
+        )
+        acc.fit(
+            model,
+            *probe_data(64),
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            callbacks=[schedule, functions, history],
+        )
+        assert model.optimizer._learning_rate is decay
+        assert [v.path for v in model.optimizer.variables] == paths
+    # The second fit ran the step the first compiled (the same rate variable installed).
+    assert functions.seen[0] is functions.seen[1] and acc.num_recompiles == 0
+    assert history.steps_per_execution == (1 if fuse == 1 else 4)
+
+
+def test_acc_fit_that_raises_still_gives_the_schedule_back():
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("stop here")
+
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+    decay = _decay()
+    with acc.scope():
+        model = probe_model(keras.optimizers.SGD(decay))
+    schedule = LearningRateScheduler(lambda step: 0.01, update_freq="step")
+    with pytest.raises(RuntimeError, match="stop here"):
+        acc.fit(
+            model,
+            *probe_data(32),
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[schedule, Crash()],
+        )
+    assert model.optimizer._learning_rate is decay
+    assert not any("learning_rate" in v.path for v in model.optimizer.variables)
