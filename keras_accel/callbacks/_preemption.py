@@ -12,12 +12,18 @@ training-batch end, answers True on all of them at the same call once any was to
   add their flags in one small all-reduce per call;
 - one process: a SIGTERM handler and its flag.
 
-A handler installed here is removed when the watch closes (Python's own comes back).
+A handler installed here is removed when the watch closes (Python's own comes back). When
+the fit ends by an exception Keras skips `on_train_end`, so nothing closes it: the handler
+then finds the fit it belongs to gone from the stack, closes the watch and hands the signal
+to the handler that was there before (by default, the process ends as SIGTERM ends it),
+rather than swallowing it for the rest of the process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import signal
 import threading
 
@@ -55,13 +61,28 @@ class Watch:
             import jax
 
             self._jax = jax.distributed.is_initialized()
+        # The frame of Keras's `fit` that is running this watch's callbacks (None when the
+        # hooks are driven by hand, as a custom loop does). Held, not weakly referenced
+        # (frames cannot be): the traceback of a fit that raised holds it anyway.
+        self._fit_frame = None
         if not self._jax and threading.current_thread() is threading.main_thread():
+            self._fit_frame = _fit_frame(model)
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         if self.backend == "tensorflow" and process.num_processes() > 1:
             self._reduce = _tf_any(model)
 
     def _on_signal(self, signum, frame) -> None:
-        self._flag.set()
+        if self._fit_frame is None or _on_stack(self._fit_frame, frame):
+            self._flag.set()  # The next batch end saves a backup, then ends the fit.
+            return
+        # The fit this watch belongs to is over (it raised): the signal is not ours.
+        previous = self._previous
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # SIG_DFL (or unknown): end as SIGTERM does.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def reached(self) -> bool:
         global _calls
@@ -75,10 +96,34 @@ class Watch:
         return self._flag.is_set()
 
     def close(self) -> None:
+        self._fit_frame = None
         if self._previous is not None:
             with contextlib.suppress(ValueError):  # Not the main thread any more.
-                signal.signal(signal.SIGTERM, self._previous)
+                if signal.getsignal(signal.SIGTERM) == self._on_signal:
+                    signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _fit_frame(model):
+    """The frame of `model.fit` (Keras's trainer) that is calling us now, if any."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                return frame
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _on_stack(target, frame) -> bool:
+    """Whether `target` is `frame` or one of its callers: that call is still running."""
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _tf_any(model):

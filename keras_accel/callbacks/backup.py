@@ -247,6 +247,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._replay: dict | None = None  # The state to assign again at the replay's end.
         self._watch: Watch | None = None  # SIGTERM -> a last backup (`_preemption`).
         self._preempted = False
+        self._sets_initial_epoch = False  # A restore set `model._initial_epoch` for Keras.
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
@@ -289,6 +290,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch
         self._last_batch_seen = 0
+        if self._sets_initial_epoch:
+            # Keras read the epoch to start at before the first epoch began: nothing needs
+            # it now, and a later fit would skip epochs (a fit that raises never gets to
+            # `on_train_end`, where it is cleared too).
+            self._model._initial_epoch = None
+            self._sets_initial_epoch = False
 
     def _fusion_period(self, kind: str, steps: int | None) -> int | None:
         """Host-loop fusion (`keras_accel.adapter.fusion`): with `save_freq=N` every group
@@ -372,6 +379,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self._model
         # Keras never clears the epoch a restore set: a later fit would skip epochs.
         model._initial_epoch = None
+        self._sets_initial_epoch = False
         state = run_state(model)
         state.resumed_at = None
         state.replay_epoch = None
@@ -652,6 +660,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if meta.get("history") and hasattr(history, "load_dict"):
             history.load_dict(meta["history"])
         model._initial_epoch = epoch
+        self._sets_initial_epoch = True
         run = run_state(model)
         run.resumed_at = (epoch, batch)
         run.restores += 1
@@ -710,6 +719,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self._model
         steps = (self.params or {}).get("steps")
         model._initial_epoch = epoch
+        self._sets_initial_epoch = True
         run = run_state(model)
         run.resumed_at = (epoch, 0)
         run.restores += 1

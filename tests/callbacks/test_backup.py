@@ -97,6 +97,52 @@ def test_sigterm_saves_a_backup_exits_143_and_the_next_fit_resumes_exactly(tmp_p
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_fit_that_raises_leaves_no_sigterm_handler_that_swallows_the_signal(tmp_path):
+    """Keras skips `on_train_end` when fit raises, so nothing closes the watch: a SIGTERM
+    after that fit reaches the handler that was there before (here a recorder; Python's
+    default would end the process), and that handler is installed again."""
+    received = []
+
+    def recorder(signum, frame):
+        received.append(signum)
+
+    before = signal.signal(signal.SIGTERM, recorder)
+    try:
+        x, y = data(40)
+        model = _fresh()
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(
+                x,
+                y,
+                epochs=3,
+                verbose=0,
+                callbacks=[BackupAndRestore(str(tmp_path / "backup")), Interrupt(1)],
+            )
+        assert signal.getsignal(signal.SIGTERM) is not recorder  # Ours, left by the fit.
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is recorder
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_resumed_fit_that_raises_leaves_no_epoch_to_start_at(tmp_path):
+    """The epoch a restore gives Keras is cleared once Keras has read it, not only at
+    `on_train_end`, which a fit that raises never reaches: the next fit starts where it is
+    told to."""
+    backup_dir = str(tmp_path / "backup")
+    x, y = data(40)
+    model = _fresh()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, epochs=4, verbose=0, callbacks=[BackupAndRestore(backup_dir), Interrupt(2)])
+    with pytest.raises(KeyboardInterrupt):  # Resumes at epoch 2, then raises in epoch 3.
+        model.fit(x, y, epochs=4, verbose=0, callbacks=[BackupAndRestore(backup_dir), Interrupt(3)])
+    assert model._initial_epoch is None
+    epochs = History()
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[epochs])
+    assert epochs.epoch == [0, 1]
+
+
 def _step(path):
     """The step number of a checkpoint path (Orbax: `<dir>/<step>`; tf.train: `ckpt-<step>`)."""
     return os.path.basename(path).removeprefix("ckpt-")
