@@ -184,6 +184,7 @@ def detect(backend: str) -> Cluster | None:
 
 
 _exit_hook_installed = False
+EXIT_ON_ERROR = "KERAS_ACCEL_EXIT_ON_ERROR"
 
 
 def exit_on_uncaught_error() -> None:
@@ -194,10 +195,20 @@ def exit_on_uncaught_error() -> None:
     moved on: the process never exits, its peers never learn, and the run hangs instead of
     failing. Installed once, when the process joins a cluster: the traceback is printed as
     usual, then the process exits with status 1, so that `keras-accel launch` (or the
-    cluster manager) sees the failure and stops the others.
+    cluster manager) sees the failure and stops the others. It stays for the rest of the
+    process (`sys.excepthook`); `KERAS_ACCEL_EXIT_ON_ERROR=0` leaves Python's exit as it is,
+    for a process that must run its own cleanup after an uncaught error.
     """
     global _exit_hook_installed
     if _exit_hook_installed:
+        return
+    setting = os.environ.get(EXIT_ON_ERROR, "1").strip()
+    if setting not in ("0", "1"):
+        raise ValueError(
+            f"{EXIT_ON_ERROR} must be 1 (an uncaught error ends a cluster process at once, "
+            f"the default) or 0 (Python's own exit). Received: {EXIT_ON_ERROR}={setting!r}"
+        )
+    if setting == "0":
         return
     previous = sys.excepthook
 

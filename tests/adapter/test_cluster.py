@@ -186,3 +186,20 @@ def test_an_uncaught_error_ends_a_cluster_process_at_once(tmp_path):
     )
     assert result.returncode == 1
     assert "ValueError: the error" in result.stderr  # The traceback, as usual.
+
+
+def test_the_exit_on_error_hook_is_opt_out(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(cluster, "_exit_hook_installed", False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Given back after the test.
+    before = sys.excepthook
+    monkeypatch.setenv("KERAS_ACCEL_EXIT_ON_ERROR", "0")
+    cluster.exit_on_uncaught_error()
+    assert sys.excepthook is before
+    monkeypatch.setenv("KERAS_ACCEL_EXIT_ON_ERROR", "yes")
+    with pytest.raises(ValueError, match="KERAS_ACCEL_EXIT_ON_ERROR must be 1 .* or 0 .*'yes'"):
+        cluster.exit_on_uncaught_error()
+    monkeypatch.setenv("KERAS_ACCEL_EXIT_ON_ERROR", "1")
+    cluster.exit_on_uncaught_error()
+    assert sys.excepthook is not before
