@@ -543,6 +543,24 @@ class Accelerator:
             sync_batchnorm=self._sync_batchnorm,
         )
 
+    def _own_callbacks(self) -> list:
+        """The runtime's callbacks for a Keras call (none on most runs)."""
+        own = getattr(self._runtime, "callbacks", None)
+        return [] if own is None else own()
+
+    def _with_own(self, callbacks):
+        """The user's callbacks and the runtime's; the user's own object where none."""
+        own = self._own_callbacks()
+        if not own:
+            return callbacks
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            raise TypeError(
+                "Pass callbacks as a list: a keras.callbacks.CallbackList cannot take the "
+                "callback that keeps batch ends on the main thread across processes. "
+                f"Received: callbacks={callbacks!r}"
+            )
+        return [*(callbacks or []), *own]
+
     def _fuse(
         self, model, kind: str, steps, callbacks, verbose, validating=False, divides=None
     ) -> int:
@@ -640,7 +658,7 @@ class Accelerator:
                 verbose=verbose,
                 # Rows are shuffled per epoch by our batches; Keras must keep their order.
                 shuffle=False,
-                callbacks=[sync, *(callbacks or [])],
+                callbacks=[sync, *(callbacks or []), *self._own_callbacks()],
                 validation_data=None if val is None else self._runtime.wrap(val, True, preprocess),
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
@@ -675,7 +693,11 @@ class Accelerator:
         patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
         with self.scope(), self._session(model, {"test": contract}, data, batches, contract, patch):
             result = _keras(model, "evaluate")(
-                data, verbose=verbose, steps=steps, callbacks=callbacks, return_dict=return_dict
+                data,
+                verbose=verbose,
+                steps=steps,
+                callbacks=self._with_own(callbacks),
+                return_dict=return_dict,
             )
         self.guard.mark_warm(model, "test")
         return result
@@ -706,7 +728,7 @@ class Accelerator:
         # The model's step sees `(x,)`, as Keras's own: nothing to build it from for us.
         with self.scope(), self._session(model, contracts, data, batches, None, patch):
             outputs, row_mask = _keras(model, "predict")(
-                data, verbose=verbose, steps=steps, callbacks=callbacks
+                data, verbose=verbose, steps=steps, callbacks=self._with_own(callbacks)
             )
         self.guard.mark_warm(model, "predict")
         # Each batch's row mask came back beside its outputs: keep the real rows.

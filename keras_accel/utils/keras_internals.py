@@ -132,11 +132,6 @@ _SEED_GENERATOR = _first(
     _module_of("keras.random.SeedGenerator"), _module("keras.src.random.seed_generator")
 )
 _LOSS = _first(_module_of("keras.losses.Loss"), _module("keras.src.losses.loss"))
-# Keras's CallbackList reads `backend.IS_THREAD_SAFE` off its global `backend` (the package
-# `keras.src.backend`; the public `keras.backend` is another module).
-_BACKEND = _first(
-    _globals_of("keras.callbacks.CallbackList.__init__", "backend"), _module("keras.src.backend")
-)
 _COMPILE_METRICS = _first(
     _globals_of("keras.Model.compile", "CompileMetrics"),
     lambda: _module("keras.src.trainers.compile_utils")().CompileMetrics,
@@ -157,12 +152,6 @@ REQUIRED: list[Internal] = [
     ),
     Internal(
         "keras.Model", "_symbolic_build", "building a model from a batch", _public("keras.Model")
-    ),
-    Internal(
-        "the backend module keras.callbacks.CallbackList reads",
-        "IS_THREAD_SAFE",
-        "synchronous callbacks across JAX processes",
-        _BACKEND,
     ),
     Internal(
         "keras.layers.Layer",
@@ -394,12 +383,6 @@ def tf_optimizer_class():
 def reduce_per_replica():
     """Keras's reduction of a step's per-replica logs (what its TF step functions apply)."""
     return tf_trainer_module().reduce_per_replica
-
-
-def backend_module():
-    """`keras.src.backend`, whose `IS_THREAD_SAFE` decides whether Keras runs batch-end
-    callbacks in a thread pool."""
-    return _holder("IS_THREAD_SAFE")
 
 
 def data_adapter_class() -> type:

@@ -83,6 +83,20 @@ def _jax_device(name: str):
     return next(d for d in jax.devices(platform) if d.id == int(index))
 
 
+class MainThreadBatchEnds(keras.callbacks.Callback):
+    """Batch-end hooks that do nothing: their presence makes Keras dispatch every
+    callback's batch ends in order on the main thread (`Runtime.callbacks`)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+    def on_test_batch_end(self, batch, logs=None):
+        pass
+
+    def on_predict_batch_end(self, batch, logs=None):
+        pass
+
+
 class Runtime:
     """A `keras.distribution` Distribution (or a single device) built from a `Plan`."""
 
@@ -163,13 +177,20 @@ class Runtime:
             return None
         return f"lives on {len(placed)} device(s)"
 
-    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+    def callbacks(self) -> list:
+        """Callbacks each Keras call of ours runs beside the user's.
+
+        Keras runs batch-end callbacks in a thread pool where no callback needs them in
+        order; their reads of the logs, beside the main thread's next dispatches,
+        deadlocked two processes' collectives (reproduced: the quickstart under
+        `keras-accel launch`, in its second epoch, both times). Across processes one
+        callback with batch-end hooks makes Keras run them all on the main thread, as on
+        TF, by Keras's own rule (`CallbackList`), for this call's callback list only."""
         if self.native is not None and jax.process_count() > 1:
-            # Keras runs batch-end callbacks in a thread pool where no callback needs them
-            # in order; their reads of the logs, beside the main thread's next dispatches,
-            # deadlocked two processes' collectives (reproduced: the quickstart under
-            # `keras-accel launch`, in its second epoch, both times). One thread, as on TF.
-            patches.set(keras_internals.backend_module(), "IS_THREAD_SAFE", False)
+            return [MainThreadBatchEnds()]
+        return []
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if first_batch is None:
             return
         # Keras builds a model symbolically from the first batch it reads; ours carries the
