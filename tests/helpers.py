@@ -77,6 +77,23 @@ def per_replica_values(variable):
     return [np.asarray(value)]
 
 
+def assert_replicas_agree(variables, replicas, exact=False):
+    """Every replica holds the same value of each variable (`per_replica_values`).
+
+    `exact` for what a decision sets (a loss scale, a step counter); otherwise the weights'
+    tolerance of the suite's other per-replica checks.
+    """
+    for variable in variables:
+        copies = per_replica_values(variable)
+        assert len(copies) == replicas, (variable.path, len(copies))
+        for i, copy in enumerate(copies[1:], start=1):
+            message = f"{variable.path}: replica {i} differs from replica 0"
+            if exact:
+                np.testing.assert_array_equal(copy, copies[0], err_msg=message)
+            else:
+                np.testing.assert_allclose(copy, copies[0], rtol=1e-6, atol=1e-7, err_msg=message)
+
+
 def run_docstring_examples(name):
     """Run the docstring examples of module `name` and of the classes and functions it exports.
 

@@ -10,7 +10,13 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.schedules import WarmupCosine
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
+from tests.helpers import (
+    FEW_REPLICAS,
+    assert_replicas_agree,
+    assert_weights_close,
+    compiled_mlp,
+    data,
+)
 
 
 class Logs(keras.callbacks.Callback):
@@ -251,7 +257,16 @@ def test_float16_fit_scales_the_loss_and_every_replica_decides_alike():
     with acc.scope():
         model = compiled_mlp(batchnorm=False)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    # 101 rows in batches of 16: the last batch's 5 real rows leave 5 of the 8 replicas
+    # padding only, with zero gradients of their own.
     x, y = data(101)
     history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0)
     assert all(np.isfinite(history.history["loss"]))
     assert all(np.isfinite(w).all() for w in model.get_weights())
+    optimizer = model.optimizer
+    # Some of the 14 steps overflowed (from the initial scale of 2**15) and were skipped ...
+    assert 0 < int(np.asarray(optimizer.iterations)) < 14
+    assert float(np.asarray(optimizer.dynamic_scale)) < 2.0**15
+    # ... by every replica alike: each holds the same scale, counters and weights.
+    assert_replicas_agree(optimizer.variables, acc.num_replicas, exact=True)
+    assert_replicas_agree(model.weights, acc.num_replicas)

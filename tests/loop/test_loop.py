@@ -8,7 +8,13 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
+from tests.helpers import (
+    FEW_REPLICAS,
+    assert_replicas_agree,
+    assert_weights_close,
+    compiled_mlp,
+    data,
+)
 
 ROWS, BATCH, EPOCHS = 101, 16, 2  # 7 batches an epoch, the last with 5 real rows.
 
@@ -156,6 +162,9 @@ def test_float16_training_scales_the_loss():
     # from the initial scale of 2**15) and halves the scale each time.
     assert 0 < int(np.asarray(loop.optimizer.iterations)) <= EPOCHS * 4
     assert float(np.asarray(loop.optimizer.dynamic_scale)) < 2.0**15
+    # Every replica skipped (or applied) the same steps: the same scale, counters, weights.
+    assert_replicas_agree(loop.optimizer.variables, acc.num_replicas, exact=True)
+    assert_replicas_agree(model.weights, acc.num_replicas)
 
 
 def test_callbacks_from_the_loop_resume_exactly(tmp_path):
