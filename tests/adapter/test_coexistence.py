@@ -4,12 +4,21 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import FEW_REPLICAS, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, weights_of
 
 
 def _fits(model, x, y, **kwargs):
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, **kwargs)
     return np.isfinite(history.history["loss"][0])
+
+
+def _loss(history):
+    return history.history["loss"][0]
+
+
+def _fit(model, x, y):
+    """One epoch of plain model.fit, unshuffled: its loss."""
+    return _loss(model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0))
 
 
 def test_raw_mirrored_strategy_and_accelerator_in_either_order(backend, num_devices):
@@ -20,18 +29,35 @@ def test_raw_mirrored_strategy_and_accelerator_in_either_order(backend, num_devi
     x, y = data(128)
     devices = [f"/cpu:{i}" for i in range(FEW_REPLICAS)]
     # Two raw strategies would clash with each other (TensorFlow's own limit); one raw
-    # strategy and the Accelerator's must not: raw, ours, raw again, ours again.
+    # strategy and the Accelerator's must not: raw, ours, raw again, ours again, each with
+    # the numbers it has alone.
     raw = tf.distribute.MirroredStrategy(devices)
     with raw.scope():
         raw_model = compiled_mlp()  # BatchNormalization: collectives on every step
-    assert _fits(raw_model, x, y)
+        raw_alone = compiled_mlp()
+    raw_alone.set_weights(raw_model.get_weights())
     acc = Accelerator(devices=FEW_REPLICAS)
     with acc.scope():
         ours = compiled_mlp()
-    assert np.isfinite(acc.fit(ours, x, y, batch_size=64, verbose=0).history["loss"][0])
+    twin = compiled_mlp()  # one device, ours's initial weights
+    twin.set_weights(ours.get_weights())
+
+    # What each does alone: the raw fits before the Accelerator trains, one device's.
     with raw.scope():
-        assert _fits(raw_model, x, y)
-    assert np.isfinite(acc.fit(ours, x[:100], y[:100], batch_size=64, verbose=0).history["loss"][0])
+        raw_want = [_fit(raw_alone, x, y), _fit(raw_alone, x, y)]
+    want = [_fit(twin, x, y), _fit(twin, x[:100], y[:100])]  # 64 + 36 rows, padded
+
+    raw_got = [_fit(raw_model, x, y)]
+    got = [_loss(acc.fit(ours, x, y, batch_size=64, shuffle=False, verbose=0))]
+    with raw.scope():
+        raw_got.append(_fit(raw_model, x, y))
+    got.append(_loss(acc.fit(ours, x[:100], y[:100], batch_size=64, shuffle=False, verbose=0)))
+
+    np.testing.assert_allclose(raw_got, raw_want, rtol=1e-5)
+    assert_weights_close(weights_of(raw_model), weights_of(raw_alone))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_weights_close(weights_of(ours), weights_of(twin))
+    assert raw_want[1] < raw_want[0] and want[1] != want[0]  # they trained
 
 
 def test_global_keras_distribution_is_left_as_the_user_set_it(backend, num_devices):
@@ -59,8 +85,6 @@ def test_accelerator_inside_a_raw_strategy_scope_is_one_clear_error(backend, num
         pytest.skip("tf.distribute strategies over several devices")
     import keras
     import tensorflow as tf
-
-    from tests.helpers import assert_weights_close, weights_of
 
     x, y = data(64)
     # Only its scope is entered: a second raw strategy in this process, over other devices
