@@ -6,7 +6,6 @@ in " ..." is a prefix. Pages with their own doc test (docs/schedules.md) are ski
 
 import contextlib
 import io
-import os
 import pathlib
 import re
 
@@ -31,18 +30,7 @@ DOCSTRING_MODULES = [
     "keras_accel.adapter.accelerator",
     "keras_accel.data.cifar10",
     "keras_accel.data.text",
-    pytest.param(
-        "keras_accel.loop",
-        # Its example builds the SGD optimizer outside `acc.scope()`, which acc.loop refuses
-        # on more than one replica ("The optimizer was created outside `acc.scope()`"); the
-        # fix is the docstring's (keras_accel/loop/__init__.py). Strict: it fails once fixed.
-        marks=pytest.mark.xfail(
-            int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8")) > 1,
-            reason="keras_accel.loop's docstring example creates its optimizer outside acc.scope()",
-            raises=AssertionError,
-            strict=True,
-        ),
-    ),
+    "keras_accel.loop",
     "keras_accel.models.bert",
     "keras_accel.models.flops",
     "keras_accel.models.seed",

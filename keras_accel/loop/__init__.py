@@ -10,11 +10,12 @@ strategy's scope. In Keras 3 the same loop must be written again for JAX (`state
 >>> import keras, numpy as np
 >>> from keras_accel import Accelerator
 >>> acc = Accelerator(seed=0)
->>> with acc.scope():
+>>> with acc.scope():  # the model and its optimizer live on the Accelerator's devices
 ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+...     optimizer = keras.optimizers.SGD(0.1)
 >>> loop = acc.loop(
 ...     model,
-...     optimizer=keras.optimizers.SGD(0.1),
+...     optimizer=optimizer,
 ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
 ...     metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
 ... )
