@@ -179,8 +179,10 @@ def _reduce_logs(values, strategy, reduction):
     their mean is that value; a custom step's own local logs get the mean over all workers,
     as MirroredStrategy gives them over its replicas.
     """
-    if reduction not in ("auto", "mean") or not isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    if (
+        reduction not in ("auto", "mean")
+        or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        or id(strategy) not in _OURS
     ):
         return _KERAS_REDUCE(values, strategy, reduction)
     leaves = tf.nest.flatten(values)
@@ -212,9 +214,13 @@ def _reduce_logs(values, strategy, reduction):
 _KERAS_REDUCE = keras_internals.reduce_per_replica()
 
 
-def fused_function(model, kind: str, n: int):
-    """Up to `n` train (or test) steps in one `tf.function`, as Keras's TF function for
-    `steps_per_execution` = n, in a form that also runs under a tf.distribute strategy.
+def fused_function(model, kind: str):
+    """Up to N train (or test) steps in one `tf.function`, as Keras's TF function for
+    `steps_per_execution` = N, in a form that also runs under a tf.distribute strategy.
+    N is the model's `steps_per_execution` at each call, a tensor of the program: one
+    compiled program runs every N > 1 (as Keras's JAX function does), so that a call
+    fusing another N than the last (an `evaluate` after `fit`'s validation) does not
+    compile its step again.
 
     Keras's own puts each step in a `tf.cond` (inside its while-loop) around a nested
     `tf.function`; under MirroredStrategy the replicas' merge_call then fails ("You must feed
@@ -250,7 +256,7 @@ def fused_function(model, kind: str, n: int):
         one = tf.function(one, jit_compile=True, reduce_retracing=True)
 
     @tf.function
-    def steps(iterator):
+    def steps(iterator, n):
         shapes.clear()  # Each trace records its own first batch.
         outputs = one(next(iterator))
 
@@ -268,7 +274,10 @@ def fused_function(model, kind: str, n: int):
         first = (tf.constant(1), iterator.get_next_as_optional(), outputs)
         return tf.while_loop(more, body, first)[2]
 
-    return steps
+    def function(iterator):
+        return steps(iterator, tf.constant(int(model.steps_per_execution), tf.int32))
+
+    return function
 
 
 def _with_shape(leaf, shape):
@@ -365,10 +374,15 @@ class Runtime:
     def make_function(self, model, kind: str):
         """Keras's step function for `kind`, or ours where Keras's cannot run: N > 1 fused
         train or test steps (see `fused_function`). None: Keras makes its own."""
-        n = int(getattr(model, "steps_per_execution", 1) or 1)
-        if n == 1 or kind == "predict" or model.run_eagerly:
+        if not self.reads_steps_per_execution(model, kind):
             return None
-        return fused_function(model, kind, n)
+        return fused_function(model, kind)
+
+    def reads_steps_per_execution(self, model, kind: str) -> bool:
+        """Whether `kind`'s step function reads N > 1 at each call (ours, fused), so that
+        one function serves every N > 1; Keras's own TF function compiles N in."""
+        n = int(getattr(model, "steps_per_execution", 1) or 1)
+        return n > 1 and kind != "predict" and not model.run_eagerly
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.native is not None and first_batch is not None:
@@ -386,13 +400,13 @@ class Runtime:
 
             patches.set(model, "_maybe_symbolic_build", build)
         if self.plan.strategy == "multi_worker":
-            patches.set(keras_internals.tf_trainer_module(), "reduce_per_replica", _reduce_logs)
+            share(patches, self.native, "reduce_per_replica", _install_reduce_logs)
         if self.num_replicas > 1:
             if training:
                 _check_optimizers_built(model)
                 for optimizer in _optimizers(model):
                     check_gradient_accumulation(optimizer, self.num_replicas)
-            install_global_batch_losses(patches)
+            install_global_batch_losses(patches, self.native)
             install_global_results(patches, model, _global_result)
 
     def row_count(self, row_mask):
@@ -578,10 +592,58 @@ def _check_optimizers_built(model) -> None:
 
 _REDUCED: contextvars.ContextVar = contextvars.ContextVar("keras_accel_reduced", default=False)
 
+# The class and module attributes below are shared by every call running in the process:
+# replaced when the first call that needs them enters, given back when the last one leaves,
+# under one lock, so that two calls in two threads never restore each other's wrappers. The
+# replacements act only under a strategy of a running call (`_OURS`, by id, with a count);
+# under any other (a plain model.fit in another thread, under the user's own strategy),
+# Keras's own code runs, unchanged.
+_LOCK = threading.Lock()
+_SHARED: dict[str, list] = {}  # name -> [the Patches that installed it, calls using it]
+_OURS: dict[int, int] = {}  # id(strategy) -> calls running under it
 
-def install_global_batch_losses(patches: Patches) -> None:
+
+def share(patches: Patches, strategy, name: str, install) -> None:
+    """`install(own_patches)` unless a running call did; undone (with `patches`) when the
+    last call using it ends. `strategy` is this call's: the replacements act under it."""
+    with _LOCK:
+        entry = _SHARED.get(name)
+        if entry is None:
+            own = Patches()
+            try:
+                install(own)
+            except BaseException:
+                own.restore()
+                raise
+            entry = _SHARED[name] = [own, 0]
+        entry[1] += 1
+        _OURS[id(strategy)] = _OURS.get(id(strategy), 0) + 1
+
+    def release() -> None:
+        with _LOCK:
+            left = _OURS.pop(id(strategy)) - 1
+            if left:
+                _OURS[id(strategy)] = left
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _SHARED[name]
+                entry[0].restore()
+
+    patches.add(release)
+
+
+def _ours() -> bool:
+    """Whether the strategy in scope is one a running call of ours registered."""
+    return id(tf.distribute.get_strategy()) in _OURS
+
+
+def _install_reduce_logs(patches: Patches) -> None:
+    patches.set(keras_internals.tf_trainer_module(), "reduce_per_replica", _reduce_logs)
+
+
+def install_global_batch_losses(patches: Patches, strategy) -> None:
     """Make every replica's loss the loss of its own rows, as on JAX and on one device, and
-    average the gradients across replicas, for the duration of `patches`.
+    average the gradients across replicas, under `strategy`, for the duration of `patches`.
 
     Keras on `tf.distribute` divides each replica's loss by the replica count (so that the
     gradients its optimizer sums across replicas add up to the global batch's), and divides
@@ -593,16 +655,31 @@ def install_global_batch_losses(patches: Patches) -> None:
     clipping and accumulation, so that `clipnorm` and `global_clipnorm` act on the global
     batch's gradient, as on JAX and on one device.
     """
+    share(patches, strategy, "global_batch_losses", _install_global_batch_losses)
+
+
+def _install_global_batch_losses(patches: Patches) -> None:
     losses = keras_internals.loss_module()
-    identity = lambda value: value  # noqa: E731
-    patches.set(losses, "scale_loss_for_distribution", identity)
-    patches.set(losses, "unscale_loss_for_distribution", identity)
+
+    def unscaled(original):
+        def scale(value):
+            return value if _ours() else original(value)
+
+        return scale
+
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        patches.set(losses, name, unscaled(getattr(losses, name)))
     optimizer_class = keras_internals.tf_optimizer_class()
 
     def averaging(original_apply):
         def apply(self, grads, trainable_variables=None):
             context = tf.distribute.get_replica_context()
-            if context is None or context.num_replicas_in_sync == 1 or _REDUCED.get():
+            if (
+                context is None
+                or context.num_replicas_in_sync == 1
+                or _REDUCED.get()
+                or not _ours()
+            ):
                 return original_apply(self, grads, trainable_variables)
             grads = list(grads)
             present = [i for i, g in enumerate(grads) if g is not None]
@@ -617,7 +694,11 @@ def install_global_batch_losses(patches: Patches) -> None:
 
         return apply
 
+    original_all_reduce = optimizer_class._all_reduce_sum_gradients
+
     def all_reduce_gradients(self, grads_and_vars):
+        if not _ours():
+            return original_all_reduce(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
         if _REDUCED.get():
             return grads_and_vars  # Averaged in `apply` already.

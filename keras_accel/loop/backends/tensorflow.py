@@ -108,7 +108,7 @@ class Steps:
                 loop.accelerator.sync_batchnorm,
             )
             if self.runtime.num_replicas > 1:
-                install_global_batch_losses(patches)
+                install_global_batch_losses(patches, self.strategy)
             if group is not None:  # The count is a tensor: one program for every group.
                 return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
