@@ -40,15 +40,19 @@ class FunctionCache:
     def __init__(self):
         self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def key(self, model, kind: str, contract: StepContract) -> tuple:
+    def key(self, model, kind: str, contract: StepContract, runtime=None) -> tuple:
         # Everything a compiled step closes over that a user can change between calls.
+        n = getattr(model, "steps_per_execution", 1)
+        reads = getattr(runtime, "reads_steps_per_execution", None)
+        if reads is not None and reads(model, kind):
+            n = "N > 1"  # A function that reads N at each call: one for every N > 1.
         return (
             kind,
             contract,
             getattr(model, "optimizer", None),
             getattr(model, "_compile_loss", None),
             getattr(model, "_compile_metrics", None),
-            getattr(model, "steps_per_execution", 1),
+            n,
             _rate_key(getattr(model, "optimizer", None)),
             getattr(model, "jit_compile", None),
             getattr(model, "run_eagerly", False),
@@ -130,7 +134,7 @@ class Session:
                 self._install()
             for kind in STEP_KINDS:
                 contract = self._contract(kind)
-                self._keys[kind] = key = self.functions.key(model, kind, contract)
+                self._keys[kind] = key = self.functions.key(model, kind, contract, self.runtime)
                 function = self.functions.get(model, key)
                 if function is None:
                     function = self._make_function(kind)

@@ -52,13 +52,14 @@ class StepContract:
         pass_weights: the step gets `(x, y, sample_weight)`, else `(x, y)`.
         user_weighted: the weights are the user's (else they only weight padding out).
         padded: some batch carries padding rows.
-        description: the batching, for error messages ("230 rows in batches of 64 ...").
+        description: the batching, for error messages ("230 rows in batches of 64 ...");
+            not compared: two calls that differ only in it run the same compiled step.
     """
 
     pass_weights: bool
     user_weighted: bool = False
     padded: bool = False
-    description: str = ""
+    description: str = dataclasses.field(default="", compare=False)
 
 
 def overrides(model, kind: str) -> bool:

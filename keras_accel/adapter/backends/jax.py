@@ -169,6 +169,11 @@ class Runtime:
     def model_misplaced(self, model) -> str | None:
         return None  # JAX places variables, not models: see `variable_misplaced`.
 
+    def reads_steps_per_execution(self, model, kind: str) -> bool:
+        """Keras's JAX step function for N > 1 reads N at each call (a Python loop over
+        one jitted step): one function serves every N > 1."""
+        return int(getattr(model, "steps_per_execution", 1) or 1) > 1
+
     def variable_misplaced(self, variable) -> str | None:
         """Why `variable` is not laid out over this runtime's devices, or None."""
         sharding = getattr(variable.value, "sharding", None)
