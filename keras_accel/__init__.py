@@ -14,12 +14,12 @@ Example:
 
 import importlib
 
-__version__ = "0.1.0"
+from keras_accel.utils.version import __version__
 
 # name -> the module that defines it (a subpackage is its own module).
 _PUBLIC = {
-    "STRATEGIES": "keras_accel.adapter",
-    "Accelerator": "keras_accel.adapter",
+    "STRATEGIES": "keras_accel.adapter.strategies",
+    "Accelerator": "keras_accel.adapter.accelerator",
     "callbacks": "keras_accel.callbacks",
     "configure_virtual_cpu_devices": "keras_accel.utils.devices",
     "data": "keras_accel.data",

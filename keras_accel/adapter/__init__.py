@@ -1,6 +1,5 @@
-"""The adapter: maps one Keras script onto JAX device meshes or tf.distribute strategies."""
+"""The adapter: maps one Keras script onto JAX device meshes or tf.distribute strategies.
 
-from keras_accel.adapter.accelerator import Accelerator
-from keras_accel.adapter.strategies import STRATEGIES
-
-__all__ = ["Accelerator", "STRATEGIES"]
+Its core (plan, runtime, feeder, session, steps) sits below `Accelerator` and `acc.loop`,
+which build on it; `keras_accel.Accelerator` is the public name.
+"""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import warnings
@@ -13,16 +12,18 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends, cluster, fusion
+from keras_accel.adapter import backends, fusion
 from keras_accel.adapter.exactness import inexact_under_padding
+from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.guard import RecompileGuard
+from keras_accel.adapter.pipeline import is_pipeline, preprocessor
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.callbacks._run import run_state
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
-from keras_accel.utils import keras_internals, process
+from keras_accel.utils import cluster, keras_internals, process
 from keras_accel.utils.seed import set_random_seed
 
 MIXED_PRECISION = {
@@ -33,8 +34,6 @@ MIXED_PRECISION = {
     "float16": "mixed_float16",
     "mixed_float16": "mixed_float16",
 }
-
-DEFAULT_BATCH_SIZE = 32  # Keras's own default for array inputs.
 
 
 class Accelerator:
@@ -298,92 +297,22 @@ class Accelerator:
             plain `model.fit`; `acc.fit` keeps them out of both.
         """
         remainder = remainder or self.remainder or "pad"
-        batches = self._batches(
+        batches = self.feeder.batches(
             x, y, batch_size, shuffle, sample_weight, class_weight, training, remainder
         )
         return self._runtime.wrap(batches, carry_mask=False)
 
-    def _batches(
-        self,
-        x,
-        y,
-        batch_size,
-        shuffle,
-        sample_weight,
-        class_weight,
-        training,
-        remainder,
-        own_files=False,
-    ):
-        if not training:
-            remainder = "pad"  # Evaluation and prediction must see every row.
-        if not sources.is_array_input(x):
-            if class_weight is not None and not (
-                sources.is_tf_dataset(x) or sources.is_py_dataset(x)
-            ):
-                kind = "Python generator" if sources.is_generator(x) else type(x).__name__
-                raise ValueError(  # Keras's own words, for the inputs Keras refuses it too.
-                    f"Argument `class_weight` is not supported for {kind} inputs. Return "
-                    "(x, y, sample_weight) batches from it instead, or pass a tf.data."
-                    f"Dataset or a keras.utils.PyDataset. Received: class_weight={class_weight}"
-                )
-            extra = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
-            given = [name for name, value in extra.items() if value is not None]
-            if given:
-                raise ValueError(
-                    f"With a {type(x).__name__} input, pass targets and weights inside the "
-                    f"data set and leave the batching to it. Received also: {', '.join(given)}."
-                )
-        if sources.is_tf_dataset(x):
-            from keras_accel.data import tfdata
+    @property
+    def feeder(self) -> Feeder:
+        """What turns every input of this Accelerator's calls (and of `acc.loop`) into
+        static batches (`keras_accel.adapter.feeder`)."""
+        return Feeder(self._runtime, self.num_replicas, self.num_processes, self.seed)
 
-            batches = tfdata.TFDatasetBatches(
-                x,
-                num_replicas=self.num_replicas,
-                remainder=remainder,
-                training=training,
-                class_weight=class_weight,
-            )
-            if own_files and self.num_processes > 1:
-                # Every process reads its own files where it can (all must agree on it):
-                # fit, evaluate and predict, which feed the Accelerator's own steps.
-                batches.own_files = self._runtime.own_files(batches)
-                if batches.own_files is not None:
-                    # A process that ran out feeds padding: the step must read the mask. The
-                    # pipeline's cardinality counts its global batches, not the steps: those
-                    # end with the longest process's files, known only when they end.
-                    batches.plan = dataclasses.replace(batches.plan, pads=True, num_batches=None)
-        elif sources.is_py_dataset(x):
-            batches = sources.PyDatasetBatches(
-                x,
-                num_replicas=self.num_replicas,
-                remainder=remainder,
-                training=training,
-                shuffle=shuffle,
-                seed=self.seed,
-                class_weight=class_weight,
-            )
-        elif sources.is_generator(x) or sources.is_grain_dataset(x):
-            batches = sources.IterableBatches(
-                x, num_replicas=self.num_replicas, remainder=remainder, training=training
-            )
-        else:
-            if x is None:
-                raise ValueError(f"`x` is required. Supported inputs: {sources.SUPPORTED_INPUTS}.")
-            batches = sources.ArrayBatches(
-                x,
-                y,
-                sample_weight,
-                batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-                num_replicas=self.num_replicas,
-                shuffle=shuffle,
-                remainder=remainder,
-                training=training,
-                seed=self.seed,
-                class_weight=class_weight,
-            )
-        _warn_if_indivisible(batches.plan.batch_size, batches.plan.static_rows, self.num_replicas)
-        return batches
+    @property
+    def runtime(self):
+        """The backend runtime of this Accelerator (its strategy or distribution, the
+        collectives, how batches reach the devices): what `acc.loop` builds on."""
+        return self._runtime
 
     def _training_batches(self, model, x, y, batch_size, shuffle, sample_weight, class_weight):
         """The training batches, with the remainder policy for steps that cannot be told
@@ -391,7 +320,7 @@ class Accelerator:
         model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
 
         def make(remainder):
-            return self._batches(
+            return self.feeder.batches(
                 x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True
             )
 
@@ -618,10 +547,10 @@ class Accelerator:
             vx, vy, vsw = _unpack(validation_data)
             vx = _standardize_inputs(model, vx)
             vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
-            val = self._batches(vx, vy, vbatch, False, vsw, None, False, None, True)
+            val = self.feeder.batches(vx, vy, vbatch, False, vsw, None, False, None, True)
             _check_evaluation(val, "validation_data")
             self._check_exact(model, val, "validation_data")
-        preprocess = _preprocessor(model)
+        preprocess = preprocessor(model)
         train_data = self._runtime.wrap(train, True, preprocess)
         contracts = {"train": self._contract(train)}
         if val is not None:
@@ -684,11 +613,13 @@ class Accelerator:
         self.prepare(model)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
-        batches = self._batches(x, y, batch_size, False, sample_weight, None, False, None, True)
+        batches = self.feeder.batches(
+            x, y, batch_size, False, sample_weight, None, False, None, True
+        )
         _check_evaluation(batches, "x")
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
-        data = self._runtime.wrap(batches, True, _preprocessor(model))
+        data = self._runtime.wrap(batches, True, preprocessor(model))
         n = self._fuse(model, "test", steps or batches.plan.num_batches, callbacks, verbose)
         patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
         with self.scope(), self._session(model, {"test": contract}, data, batches, contract, patch):
@@ -720,8 +651,8 @@ class Accelerator:
         self.prepare(model)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
-        batches = self._batches(x, None, batch_size, False, None, None, False, None, True)
-        data = self._runtime.wrap(batches, True, _preprocessor(model))
+        batches = self.feeder.batches(x, None, batch_size, False, None, None, False, None, True)
+        data = self._runtime.wrap(batches, True, preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
         n = self._fuse(model, "predict", steps or batches.plan.num_batches, callbacks, verbose)
         patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
@@ -776,27 +707,10 @@ class Accelerator:
 def _keras(model, name: str):
     """The Keras method to call: the model's own, except for a keras-hub pipeline model,
     whose fit/evaluate/predict would preprocess our batches a second time: we preprocess
-    (see `_preprocessor`) and call Keras's."""
-    if _is_pipeline(model):
+    (see `keras_accel.adapter.pipeline`) and call Keras's."""
+    if is_pipeline(model):
         return functools.partial(getattr(keras.Model, name), model)
     return getattr(model, name)
-
-
-def _is_pipeline(model) -> bool:
-    # keras-hub's PipelineModel (every task: BertTextClassifier, ...), found by what it does
-    # rather than by import, so that keras_accel never imports keras-hub itself.
-    return callable(getattr(model, "preprocess_samples", None)) and (
-        type(model).fit is not keras.Model.fit
-    )
-
-
-def _preprocessor(model):
-    """`preprocess_samples(x, y, sample_weight)` of a keras-hub task with a preprocessor."""
-    if not _is_pipeline(model):
-        return None
-    if hasattr(model, "preprocessor") and model.preprocessor is None:
-        return None
-    return model.preprocess_samples
 
 
 def _standardize_inputs(model, x):
@@ -828,7 +742,7 @@ def _dropped(make, plan, what: str, advice: str):
         detail = f"({rows} of {plan.num_samples} rows, a new draw every epoch when shuffling)"
     warnings.warn(
         f"keras_accel: {what} {detail} is dropped (remainder='drop'). {advice}",
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
     return dropped
 
@@ -957,29 +871,6 @@ def _real_rows(plan) -> slice | np.ndarray:
     if (rows[:-1] == static).all():
         return slice(0, int(rows.sum()))
     return np.concatenate([np.arange(i * static, i * static + r) for i, r in enumerate(rows)])
-
-
-def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -> None:
-    if static_rows != batch_size:
-        warnings.warn(
-            f"keras_accel: batch_size={batch_size} does not split over {num_replicas} "
-            f"replicas; every batch is padded to {static_rows} rows "
-            f"({(static_rows - batch_size) / static_rows:.0%} of the compute is padding). "
-            f"Use a multiple of {num_replicas} to avoid it.",
-            stacklevel=_user_stacklevel(),
-        )
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the first caller outside keras_accel (the user's line), from the
-    function that calls `warnings.warn`."""
-    import sys
-
-    package = __name__.split(".")[0]
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _check_positive_int(value, name: str) -> None:

@@ -32,7 +32,7 @@ import weakref
 
 import keras
 
-from keras_accel.callbacks._print import print_msg
+from keras_accel.utils.printing import print_msg
 
 AUTO = "auto"
 AUTO_LIMIT = 32

@@ -151,8 +151,6 @@ def write_json(path: str, record: dict[str, Any]) -> None:
 
 def child_env(backend: str, extra_paths: list[str] | None = None) -> dict[str, str]:
     """The parent's environment, with the child's backend and one CPU device by default."""
-    import keras_accel
-
     env = dict(os.environ)
     env["KERAS_BACKEND"] = backend
     # The child's stderr goes to a file that only failures are read from, and TensorFlow's
@@ -167,7 +165,8 @@ def child_env(backend: str, extra_paths: list[str] | None = None) -> dict[str, s
         else:
             del env["XLA_FLAGS"]
     # The child must import the same keras_accel (and model module) as this process.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(keras_accel.__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # keras_accel/
+    root = os.path.dirname(package)
     paths = [root, *(extra_paths or []), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     return env

@@ -267,7 +267,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
 
     import keras
 
-    from keras_accel import Accelerator
+    from keras_accel.adapter.accelerator import Accelerator
     from keras_accel.benchmark.peaks import compute_dtype, measure_matmul_flops, peak_flops
     from keras_accel.data.batching import static_batch_size
     from keras_accel.data.cifar10 import CifarFormatError

@@ -18,10 +18,10 @@ import keras
 
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
 from keras_accel.callbacks._preemption import Preempted, Watch
-from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.state import engines, files, tree
 from keras_accel.utils import keras_internals, process
+from keras_accel.utils.printing import print_msg
 
 FORMAT = "keras_accel.BackupAndRestore"
 VERSION = 2
@@ -61,7 +61,7 @@ def _wait_at_exit() -> None:
     global _AT_EXIT
     if _AT_EXIT or process.num_processes() > 1:
         # Across processes a save ends with a barrier of all of them: a process leaving on
-        # an error must not wait for peers (adapter/cluster.py ends it at once).
+        # an error must not wait for peers (utils/cluster.py ends it at once).
         return
     _AT_EXIT = True
     # Before threading's own exit hooks, which shut down concurrent.futures' pools (Orbax
@@ -837,9 +837,9 @@ def _optional_int(value) -> int | None:
 
 
 def _version() -> str:
-    import keras_accel
+    from keras_accel.utils.version import __version__
 
-    return keras_accel.__version__
+    return __version__
 
 
 def _quietly(function, *args) -> None:

@@ -10,10 +10,10 @@ import tempfile
 import keras
 
 from keras_accel.callbacks import _saving
-from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.state import files
 from keras_accel.utils import keras_internals, process
+from keras_accel.utils.printing import print_msg
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):

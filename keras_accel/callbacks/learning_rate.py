@@ -11,10 +11,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.callbacks._print import print_msg
 from keras_accel.callbacks._run import run_state
 from keras_accel.schedules import validate_learning_rate
 from keras_accel.utils import keras_internals
+from keras_accel.utils.printing import print_msg
 
 UPDATE_FREQS = ("epoch", "step")
 

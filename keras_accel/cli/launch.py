@@ -220,7 +220,7 @@ def devices_per_process_note(devices_per_process: int | None, num_processes: int
     under MultiWorkerMirroredStrategy computes on one CPU device, whatever the split."""
     if devices_per_process is None:
         return None
-    from keras_accel.cli.main import configured_backend
+    from keras_accel.cli.backend import configured_backend
 
     backend, source = configured_backend()
     if backend == "jax":

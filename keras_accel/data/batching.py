@@ -303,3 +303,16 @@ def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
             f"Received row counts {detail}. Pass x, y and sample_weight of equal length."
         )
     return flat.pop() if flat else 0
+
+
+def element(batch, carry_mask: bool, rows):
+    """One padded batch as Keras's step reads it: `pack(x, y, weights, mask)` with the
+    row mask, or `(x,)` / `(x, y, weights)` without; `rows` picks a slice of its rows."""
+    x, y, sample_weight, row_mask = batch
+    if rows is not None:
+        x, y, sample_weight, row_mask = map_structure(
+            lambda a: a[rows], (x, y, sample_weight, row_mask)
+        )
+    if not carry_mask:
+        return (x,) if y is None else (x, y, sample_weight)
+    return pack(x, y, sample_weight, row_mask)

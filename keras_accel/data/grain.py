@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.pydataset import _element
+from keras_accel.data.batching import element
 
 
 class GrainPasses(PaddedBatchesAdapter):
@@ -44,7 +44,7 @@ class GrainPasses(PaddedBatchesAdapter):
 
     def _pass(self):
         for batch in self.batches.batches(scale=not self.carry_mask):
-            yield _element(batch, self.carry_mask, self.rows)
+            yield element(batch, self.carry_mask, self.rows)
 
     def keras_accel_first_batch(self):
         # What `Accelerator` builds the model from (`_first_batch`): the stream's first
@@ -61,14 +61,14 @@ class GrainPasses(PaddedBatchesAdapter):
         import tensorflow as tf
 
         if self._tf_signature is None:
-            first = _element(self.batches.first_batch(), self.carry_mask, self.rows)
+            first = element(self.batches.first_batch(), self.carry_mask, self.rows)
             self._tf_signature = tf.nest.map_structure(
                 _tensor_spec, keras.tree.lists_to_tuples(first)
             )
 
         def one_pass():
-            for element in self._pass():
-                yield keras.tree.lists_to_tuples(element)
+            for item in self._pass():
+                yield keras.tree.lists_to_tuples(item)
 
         dataset = tf.data.Dataset.from_generator(one_pass, output_signature=self._tf_signature)
         return dataset.prefetch(tf.data.AUTOTUNE)

@@ -6,18 +6,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_accel.data.batching import map_structure, pack
-
-
-def _element(batch, carry_mask: bool, rows):
-    x, y, sample_weight, row_mask = batch
-    if rows is not None:
-        x, y, sample_weight, row_mask = map_structure(
-            lambda a: a[rows], (x, y, sample_weight, row_mask)
-        )
-    if not carry_mask:
-        return (x,) if y is None else (x, y, sample_weight)
-    return pack(x, y, sample_weight, row_mask)
+from keras_accel.data.batching import element
 
 
 class StaticBatchDataset(keras.utils.PyDataset):
@@ -53,7 +42,7 @@ class StaticBatchDataset(keras.utils.PyDataset):
 
     def __getitem__(self, index: int):
         batch = self.batches.batch(index, scale=not self.carry_mask)
-        return _element(batch, self.carry_mask, self.rows)
+        return element(batch, self.carry_mask, self.rows)
 
     def on_epoch_end(self) -> None:
         self.batches.on_epoch_end()
@@ -72,6 +61,6 @@ def stream(batches, carry_mask: bool = True, rows=None):
 
     def generate():
         for batch in batches.batches(scale=not carry_mask):
-            yield _element(batch, carry_mask, rows)
+            yield element(batch, carry_mask, rows)
 
     return generate()

@@ -242,7 +242,7 @@ class CustomLoop:
         remainder = acc.remainder or "pad"
         # Several processes each read their own files of a file-backed tf.data pipeline,
         # where they can (all agree on it), as `fit` does.
-        batches = acc._batches(
+        batches = acc.feeder.batches(
             x, y, batch_size, shuffle, sample_weight, None, training, remainder, True
         )
         if training and not batches.has_targets:
@@ -447,7 +447,7 @@ for _hook in (
 
 
 def _check_placed(accelerator, optimizer) -> None:
-    runtime = accelerator._runtime
+    runtime = accelerator.runtime
     if runtime.native is None:
         return
     for variable in optimizer.variables:

@@ -10,9 +10,9 @@ import contextlib
 
 
 def _tf_cluster():
-    """The TF_CONFIG cluster this process belongs to (`keras_accel.adapter.cluster`, the one
+    """The TF_CONFIG cluster this process belongs to (`keras_accel.utils.cluster`, the one
     reader of TF_CONFIG), or None: one process, also under KERAS_ACCEL_DISTRIBUTED=0."""
-    from keras_accel.adapter import cluster
+    from keras_accel.utils import cluster
 
     return None if cluster.switch() is False else cluster.detect_tf_config()
 

@@ -98,8 +98,8 @@ def test_acc_fit_places_batches_as_the_distribution_lays_them_out():
     acc = Accelerator(seed=0)
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
-    batches = acc._batches(x, y, 16, True, None, None, True, "pad")
-    data = acc._runtime.wrap(batches, carry_mask=True)
+    batches = acc.feeder.batches(x, y, 16, True, None, None, True, "pad")
+    data = acc.runtime.wrap(batches, carry_mask=True)
     if acc.distribution is None and acc.devices[0].startswith("cpu"):
         assert isinstance(data, StaticBatchDataset)  # One CPU device: no look-ahead.
         return
@@ -124,5 +124,5 @@ def test_one_cpu_device_reads_without_look_ahead_as_keras_does():
 
     acc = Accelerator(strategy="single")
     x = np.zeros((32, 4), "float32")
-    batches = acc._batches(x, np.zeros(32, "int64"), 16, True, None, None, True, "pad")
-    assert isinstance(acc._runtime.wrap(batches, carry_mask=True), StaticBatchDataset)
+    batches = acc.feeder.batches(x, np.zeros(32, "int64"), 16, True, None, None, True, "pad")
+    assert isinstance(acc.runtime.wrap(batches, carry_mask=True), StaticBatchDataset)

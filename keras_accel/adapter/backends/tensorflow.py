@@ -161,7 +161,7 @@ def _global_result(metric, result):
         return result()
 
 
-def _all_reduce_sum(tensors):
+def all_reduce_sum(tensors):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return tensors
@@ -342,7 +342,7 @@ class Runtime:
         else:
             self.native = _mirrored(tuple(plan.devices))
         # BatchNormalization sums its moments across replicas (see adapter.batchnorm).
-        self.all_reduce_sum = _all_reduce_sum if self.num_replicas > 1 else None
+        self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
 
     @contextlib.contextmanager
     def scope(self):
@@ -412,7 +412,7 @@ class Runtime:
     def row_count(self, row_mask):
         # Each replica weights its share of the epoch's loss average by the global batch's
         # real rows over the replica count: summed over replicas, the real rows.
-        (total,) = _all_reduce_sum([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
+        (total,) = all_reduce_sum([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
         return total / self.num_replicas
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):

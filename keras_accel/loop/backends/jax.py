@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.pipeline import preprocessor
 from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.data.batching import pack, unpack
 from keras_accel.data.sources import (
@@ -24,7 +25,7 @@ from keras_accel.data.sources import (
 class Steps:
     def __init__(self, loop):
         self.loop = loop
-        self.runtime = loop.accelerator._runtime
+        self.runtime = loop.accelerator.runtime
         self.traces: collections.Counter = collections.Counter()
         self._compiled: dict[str, object] = {}
         device = self.runtime.plan.devices[0]
@@ -97,9 +98,7 @@ class Steps:
     def _host_batches(self, batches):
         """Each batch as host arrays: `pack(x, y, weights, mask)` with the user's weights
         (the loop divides by the global batch's real rows itself), or `(x, mask)`."""
-        from keras_accel.adapter.accelerator import _preprocessor
-
-        preprocess = _preprocessor(self.loop.model)
+        preprocess = preprocessor(self.loop.model)
         own = getattr(batches, "own_files", None)
         if own is not None:  # This process's own files: its rows of each global batch.
             elements = own.with_preprocess(preprocess).batches()

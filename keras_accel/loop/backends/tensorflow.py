@@ -7,9 +7,10 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from keras_accel.adapter.backends.tensorflow import _all_reduce_sum, install_global_batch_losses
+from keras_accel.adapter.backends.tensorflow import all_reduce_sum, install_global_batch_losses
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.pipeline import preprocessor
 from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.data import tfdata
 from keras_accel.data.batching import unpack
@@ -19,7 +20,7 @@ from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBat
 class Steps:
     def __init__(self, loop):
         self.loop = loop
-        self.runtime = loop.accelerator._runtime
+        self.runtime = loop.accelerator.runtime
         self.strategy = self.runtime.native
         from keras_accel.adapter.backends.tensorflow import check_gradient_accumulation
 
@@ -54,10 +55,8 @@ class Steps:
             yield StepGroup(iterator, min(n, total - start))
 
     def distribute(self, batches, training: bool):
-        from keras_accel.adapter.accelerator import _preprocessor
-
         # keras-hub's preprocessing (raw strings in) runs in the pipeline, as in its fit.
-        preprocess = _preprocessor(self.loop.model)
+        preprocess = preprocessor(self.loop.model)
         if isinstance(batches, ArrayBatches):
             dataset = tfdata.array_pipeline(batches, True, preprocess)
         elif isinstance(batches, (PyDatasetBatches, IterableBatches)):
@@ -159,7 +158,7 @@ class Steps:
         model = loop.model
         x, y, weights, mask = unpack(batch)
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        real = _all_reduce_sum([tf.reduce_sum(mask)])[0]
+        real = all_reduce_sum([tf.reduce_sum(mask)])[0]
         with tf.GradientTape() as tape:
             token = ROW_MASK.set(mask)
             try:

@@ -1,11 +1,11 @@
-"""What the environment says about a multi-process run (`keras_accel.adapter.cluster`)."""
+"""What the environment says about a multi-process run (`keras_accel.utils.cluster`)."""
 
 import json
 
 import pytest
 
-from keras_accel.adapter import cluster
-from keras_accel.adapter.cluster import Cluster, detect
+from keras_accel.utils import cluster
+from keras_accel.utils.cluster import Cluster, detect
 
 ALL = (
     *cluster.KERAS_VARIABLES,
@@ -176,7 +176,7 @@ def test_an_uncaught_error_ends_a_cluster_process_at_once(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(
         "import threading\n"
-        "from keras_accel.adapter import cluster\n"
+        "from keras_accel.utils import cluster\n"
         "cluster.exit_on_uncaught_error()\n"
         "threading.Thread(target=threading.Event().wait).start()  # Never ends.\n"
         "raise ValueError('the error')\n"

@@ -1,0 +1,23 @@
+"""keras-hub's pipeline models (every task: BertTextClassifier, CausalLM, ...), whose `fit`
+runs their preprocessor on raw inputs: found by what they do rather than by import, so that
+keras_accel never imports keras-hub itself. Used by `Accelerator.fit` and by `acc.loop`."""
+
+from __future__ import annotations
+
+import keras
+
+
+def is_pipeline(model) -> bool:
+    """Whether `model` is a keras-hub task: it preprocesses samples and has a fit of its own."""
+    return callable(getattr(model, "preprocess_samples", None)) and (
+        type(model).fit is not keras.Model.fit
+    )
+
+
+def preprocessor(model):
+    """`preprocess_samples(x, y, sample_weight)` of a keras-hub task with a preprocessor."""
+    if not is_pipeline(model):
+        return None
+    if hasattr(model, "preprocessor") and model.preprocessor is None:
+        return None
+    return model.preprocess_samples
