@@ -31,17 +31,7 @@ def save(model, path: str, weights_only: bool) -> None:
             files.upload(local, path)
         return
     # Keras writes straight into the sibling: no second copy of a large model file.
-    temp = files.temp_sibling(path)
-    try:
-        _write(model, temp, weights_only)
-        with open(temp, "rb") as f:
-            os.fsync(f.fileno())  # The data is on disk before the name points at it...
-        os.replace(temp, path)
-        _fsync_dir(parent)  # ...and the rename itself survives a power cut.
-    except BaseException:
-        if os.path.exists(temp):
-            os.remove(temp)
-        raise
+    files.replace_local(path, lambda temp: _write(model, temp, weights_only))
 
 
 def _write(model, local_path: str, weights_only: bool) -> None:
@@ -49,16 +39,3 @@ def _write(model, local_path: str, weights_only: bool) -> None:
         model.save_weights(local_path, overwrite=True)
     else:
         model.save(local_path, overwrite=True)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY)
-    except OSError:  # Some platforms (Windows) cannot open directories: nothing to sync.
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

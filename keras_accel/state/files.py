@@ -169,18 +169,12 @@ def write_atomic(path: str, data: bytes | str) -> None:
     if fs is not None:
         fs.pipe_file(inner, data)  # One request: the object appears whole or not at all.
         return
-    temp = _temp_sibling(inner)
-    try:
+
+    def fill(temp: str) -> None:
         with open(temp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, inner)
-        _fsync_dir(os.path.dirname(inner))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temp)
-        raise
+
+    replace_local(inner, fill)
 
 
 def upload(local_file: str, path: str) -> None:
@@ -189,13 +183,21 @@ def upload(local_file: str, path: str) -> None:
     if fs is not None:
         fs.put_file(local_file, inner)
         return
-    temp = _temp_sibling(inner)
+    replace_local(inner, lambda temp: shutil.copyfile(local_file, temp))
+
+
+def replace_local(path: str, fill) -> None:
+    """Replace the local file `path` by what `fill(temp)` writes into a hidden sibling: the
+    sibling is synced to disk, renamed over `path` in one step, and the rename synced in
+    its directory, so that a crash leaves the old file or the new one, never a part. The
+    sibling is removed if anything fails."""
+    temp = _temp_sibling(path)
     try:
-        shutil.copyfile(local_file, temp)
+        fill(temp)
         with open(temp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, inner)
-        _fsync_dir(os.path.dirname(inner))
+            os.fsync(f.fileno())  # The data is on disk before the name points at it...
+        os.replace(temp, path)
+        _fsync_dir(os.path.dirname(path))  # ...and the rename itself survives a power cut.
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temp)
