@@ -7,7 +7,7 @@ trace, for free at steady state, on every backend. It:
 
 - turns the Accelerator's batch `(x, y, (sample_weight, row_mask))` into what the model's own
   step expects, exactly as plain Keras would hand it over (the data contract, below);
-- counts the trace and the input shapes that caused it (`keras_accel.adapter.guard`);
+- counts the trace, with the input shapes and dtypes that caused it (`keras_accel.adapter.guard`);
 - weights a padded batch by its own real rows, counted from the row mask (`_weighted`), so
   that training and evaluation are exact without knowing how many rows the data set has;
 - publishes the batch's row mask to BatchNormalization (`keras_accel.adapter.batchnorm`), to
