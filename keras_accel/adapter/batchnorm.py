@@ -13,8 +13,10 @@ While a step is traced, `keras_accel.adapter.steps` publishes the batch's row ma
 `_moments` that weights rows by that mask and, when the backend runs one program per replica
 (TF), sums the three moments across replicas before dividing: exactly Keras's
 `synchronized=True` statistics, over real rows. Under JAX the program is global-view SPMD, so
-plain sums already span every replica (Keras's `synchronized` is a no-op there too). When the
-call returns the layers get Keras's own `_moments` back.
+plain sums already span every replica (Keras's `synchronized` is a no-op there too). Layers
+built with `renorm=True` get them too: Keras computes their corrections (r, d) and renorm
+statistics from these batch moments alone. When the call returns the layers get Keras's own
+`_moments` back.
 
 What the synchronization costs (`Accelerator(sync_batchnorm=...)`): on TF each layer's sums
 cross the replicas once forward and once more backward (the gradient of an all-reduce is an
@@ -82,9 +84,6 @@ def install_batchnorm(
     count = 0
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if not isinstance(layer, layers.BatchNormalization):
-            continue
-        if layer.renorm:
-            # Renorm's corrections are not defined for weighted rows; keep Keras's own path.
             continue
         original = keras_internals.require(layer, "_moments", "BatchNormalization's moments")
         reduce = all_reduce_sum if synchronized or getattr(layer, "synchronized", False) else None

@@ -154,6 +154,38 @@ def test_synchronized_batchnorm_keeps_keras_meaning(backend, sync_batchnorm):
     assert layer.synchronized and "_moments" not in layer.__dict__
 
 
+def test_batchnorm_with_renorm_counts_real_rows_only_and_agrees_over_replicas():
+    # renorm=True: its corrections and renorm statistics come from the batch moments, which
+    # are ours too (real rows, summed over replicas): a padded epoch over 2 replicas trains
+    # as one device on the real rows alone (they were once Keras's own: padding rows in,
+    # per replica on TF).
+    def renorm_model():
+        return keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, kernel_initializer=keras.initializers.GlorotUniform(0)),
+                keras.layers.BatchNormalization(renorm=True, renorm_momentum=0.5),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+
+    acc = Accelerator(devices=FEW_REPLICAS)
+    with acc.scope():
+        model = renorm_model()
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    twin = renorm_model()
+    twin.compile("sgd", "sparse_categorical_crossentropy")
+    twin.set_weights(model.get_weights())
+    x, y = data(27)  # In batches of 8: the last has 3 real rows, padded to 8.
+    acc.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    twin.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    layer = model.layers[1]
+    assert layer.renorm and "_moments" not in layer.__dict__
+    assert {"renorm_mean", "renorm_stddev"} <= {v.name for v in layer.non_trainable_weights}
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    assert_replicas_agree(model.weights, acc.num_replicas)
+
+
 def test_sync_batchnorm_false_keeps_each_replicas_statistics(backend):
     # sync_batchnorm=False: each replica's statistics over its own rows, as plain Keras
     # computes them on TF, and so the same training as plain model.fit under the same
