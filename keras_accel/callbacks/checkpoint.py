@@ -1,4 +1,4 @@
-"""`ModelCheckpoint`: Keras's callback, writing from the chief only, to any path, rotated."""
+"""`ModelCheckpoint`: Keras's callback, writing to your path from the chief only, rotated."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - `max_to_keep`: keep only the newest N files this pattern produced (like the seed's
       `CheckpointManager(max_to_keep=5)`); older matching files in the directory, from
       earlier runs too, are deleted. `None` (default) keeps everything, as Keras does;
-    - only the chief process writes (every process still tracks the best value, so they
-      agree on it); in Keras every process of a multi-process run writes;
+    - only the chief process writes to `filepath` (every process still tracks the best
+      value, so they agree on it); in Keras every process of a multi-process run writes
+      there. The others save too (reading the state can be a collective), into a local
+      temporary directory deleted as soon as the file is written;
     - any path: a local path or a URL (`gs://`, `s3://`, `memory://`). Keras writes a
       local temporary file, which is renamed (local) or uploaded (URL) over the target,
       so a crash never leaves a half-written file under the final name;

@@ -96,6 +96,28 @@ def test_only_the_chief_writes(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_others_save_a_scratch_copy_deleted_at_once(tmp_path, monkeypatch):
+    # What docs/multi_host.md says of a process other than the chief: it saves too (reading
+    # the state can be a collective), into a local temporary directory, gone once written.
+    monkeypatch.setattr(process, "process_index", lambda: 1)
+    saved = []
+    save = _saving.save
+
+    def recorded(model, target, **kwargs):
+        save(model, target, **kwargs)
+        saved.append((target, os.path.exists(target)))
+
+    monkeypatch.setattr(_saving, "save", recorded)
+    checkpoint = ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"), save_weights_only=True)
+    checkpoint.set_model(compiled_mlp())
+    checkpoint.on_epoch_begin(0)
+    checkpoint.on_epoch_end(0, {"loss": 0.5})
+    [(target, written)] = saved
+    assert written and os.path.basename(target) == "e1.weights.h5"
+    assert not target.startswith(str(tmp_path)) and not os.path.exists(os.path.dirname(target))
+    assert os.listdir(tmp_path) == []
+
+
 def test_rotation_counts_older_matching_files(tmp_path):
     model = compiled_mlp()
     for name in ("e1.weights.h5", "e2.weights.h5", "unrelated.txt"):
