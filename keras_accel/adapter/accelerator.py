@@ -20,7 +20,6 @@ from keras_accel.adapter.pipeline import is_pipeline, preprocessor
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
-from keras_accel.callbacks._run import run_state
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
 from keras_accel.utils import cluster, keras_internals, process
@@ -503,8 +502,6 @@ class Accelerator:
             n = math.gcd(n, int(divides))
             why = f"{why}; dividing validation_steps={divides}"
         fusion.note(model, n, why, 1 if verbose == "auto" else verbose)
-        if kind == "train":
-            run_state(model).steps_per_execution = n
         return n
 
     def fit(

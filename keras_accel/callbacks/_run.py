@@ -29,8 +29,6 @@ class RunState:
     # Bumped by BackupAndRestore whenever it assigns restored variables: a sign for
     # callbacks that count steps on the host to read the optimizer's count again.
     restores: int = 0
-    # Steps per host call of the running fit (host-loop fusion), for the record.
-    steps_per_execution: int = 1
 
     def replaying(self, epoch: int | None, batch: int) -> bool:
         """Whether `batch` of `epoch` is a replayed batch of a mid-epoch resume."""

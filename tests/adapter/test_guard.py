@@ -9,7 +9,7 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.adapter import guard
-from keras_accel.callbacks._run import run_state
+from keras_accel.callbacks import History
 from tests.helpers import FEW_REPLICAS, compiled_mlp, data
 
 
@@ -29,8 +29,18 @@ def test_each_trace_counts_once_over_replicas_and_fused_steps():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         validation = (x[:37], y[:37])
-        acc.fit(model, x, y, batch_size=8, epochs=2, verbose=0, validation_data=validation)
-        assert run_state(model).steps_per_execution == 13  # One fused loop per epoch.
+        history = History()
+        acc.fit(
+            model,
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            validation_data=validation,
+            callbacks=[history],
+        )
+        assert history.steps_per_execution == 13  # One fused loop per epoch.
         for _ in range(2):
             acc.evaluate(model, x, y, batch_size=8, verbose=0)
             acc.predict(model, x, batch_size=8, verbose=0)
@@ -62,8 +72,9 @@ def test_one_fused_step_function_serves_every_n():
     x, y = data(101)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        acc.fit(model, x, y, batch_size=8, verbose=0, validation_data=(x, y))
-        assert run_state(model).steps_per_execution == 13
+        history = History()
+        acc.fit(model, x, y, batch_size=8, verbose=0, validation_data=(x, y), callbacks=[history])
+        assert history.steps_per_execution == 13
         short = acc.evaluate(model, x[:37], y[:37], batch_size=8, verbose=0)
         fours = _EveryFourth()
         grouped = acc.evaluate(model, x, y, batch_size=8, verbose=0, callbacks=[fours])
