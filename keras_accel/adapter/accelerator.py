@@ -23,6 +23,7 @@ from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
 from keras_accel.utils import cluster, keras_internals, process
+from keras_accel.utils.optimizers import inner_optimizer
 from keras_accel.utils.seed import set_random_seed
 
 MIXED_PRECISION = {
@@ -822,7 +823,7 @@ def _bind_schedule(model, epochs: int, steps_per_epoch: int | None, patches, pla
     """A keras_accel schedule given to the optimizer without the training length
     (`WarmupCosine(warmup_fraction=...)`) gets this fit's, for this fit."""
     optimizer = getattr(model, "optimizer", None)
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     schedule = getattr(inner, "_learning_rate", None)
     if getattr(schedule, "needs_total_steps", False):
         if steps_per_epoch is None:

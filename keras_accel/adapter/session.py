@@ -28,6 +28,7 @@ from keras_accel.adapter.steps import (
     install_steps,
 )
 from keras_accel.utils import keras_internals
+from keras_accel.utils.optimizers import inner_optimizer
 
 # Models inside an Accelerator call now: a call made from within another one on the same
 # model (a callback that runs acc.evaluate) reuses its installation.
@@ -70,7 +71,7 @@ def _rate_key(optimizer):
     """What the optimizer's learning rate is, as a compiled step reads it: the step closes
     over a schedule object (ours may swap one in for a call), or reads a variable, which is
     part of the optimizer's state (LearningRateScheduler may have added one)."""
-    rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
+    rate = getattr(inner_optimizer(optimizer), "_learning_rate", None)
     if rate is None or isinstance(rate, keras.Variable):
         return id(rate)
     try:  # Two schedules of one class and config compute the same rates.

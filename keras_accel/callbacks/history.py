@@ -14,9 +14,10 @@ import keras
 import numpy as np
 
 from keras_accel.callbacks._run import run_state
-from keras_accel.callbacks.learning_rate import host_step
+from keras_accel.callbacks.learning_rate import host_step, optimizer_rate
 from keras_accel.state import files
 from keras_accel.utils import keras_internals, process
+from keras_accel.utils.optimizers import inner_optimizer
 
 FORMAT = "keras_accel.History"
 VERSION = 1
@@ -371,19 +372,8 @@ def _last_learning_rate(model) -> float | None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    # A LossScaleOptimizer (mixed float16) delegates its rate to the optimizer it wraps.
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    rate = getattr(optimizer, "_learning_rate", None)
     try:
-        if isinstance(rate, keras.Variable):
-            value = rate.numpy()
-        elif isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
-            step = max(host_step(optimizer.iterations) - 1, 0)
-            value = keras.ops.convert_to_numpy(rate(step))
-        elif callable(rate):
-            value = keras.ops.convert_to_numpy(rate())
-        else:
-            value = rate
-        return float(np.asarray(value))
+        step = max(host_step(inner_optimizer(optimizer).iterations) - 1, 0)
+        return optimizer_rate(optimizer, step)
     except (TypeError, ValueError):
         return None

@@ -14,6 +14,7 @@ import numpy as np
 from keras_accel.callbacks._run import run_state
 from keras_accel.schedules import validate_learning_rate
 from keras_accel.utils import keras_internals
+from keras_accel.utils.optimizers import inner_optimizer
 from keras_accel.utils.printing import print_msg
 
 UPDATE_FREQS = ("epoch", "step")
@@ -132,9 +133,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
             bound = self._bind({"epochs": epochs, "steps": steps})
             # A float-built optimizer's rate variable ends at the last rate (`on_train_end`),
             # as a step-by-step run leaves it; a schedule-built one gets its schedule back.
-            current = _inner(model.optimizer)._learning_rate
+            current = inner_optimizer(model.optimizer)._learning_rate
             self._variable = current if isinstance(current, keras.Variable) else None
-            patches.set(_inner(model.optimizer), "_learning_rate", bound)
+            patches.set(inner_optimizer(model.optimizer), "_learning_rate", bound)
             patches.set(self, "_in_step", bound)
             return
         _, give_back = rate_variable(model)
@@ -316,6 +317,19 @@ def _host(value) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
+def optimizer_rate(optimizer, step: int | None = None) -> float:
+    """The learning rate `optimizer` applies at `step` (by default its next step, read
+    from its iteration count): its variable's value, its schedule at that step, what a
+    callable rate returns, or its float. A LossScaleOptimizer's is the one it wraps."""
+    optimizer = inner_optimizer(optimizer)
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        rate = rate(host_step(optimizer.iterations) if step is None else step)
+    elif callable(rate) and not isinstance(rate, keras.Variable):
+        rate = rate()
+    return float(_host(rate).reshape(-1)[0])
+
+
 def host_step(iterations) -> int:
     """The optimizer's iteration count as one Python int, read once on the host.
 
@@ -389,17 +403,11 @@ def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
     variable holding its current value. A train function traced before must be rebuilt
     (the caller does): `tf.function` would keep reading the schedule it captured.
     """
-    optimizer = _inner(model.optimizer)
+    optimizer = inner_optimizer(model.optimizer)
     current = optimizer._learning_rate
     if isinstance(current, keras.Variable):
         return current, None
-    if isinstance(current, keras.optimizers.schedules.LearningRateSchedule):
-        initial = current(host_step(optimizer.iterations))
-    elif callable(current):
-        initial = current()
-    else:
-        initial = current
-    initial = float(_host(initial))
+    initial = optimizer_rate(optimizer)
     where = (_strategy(model), _layout(optimizer.iterations))
     made = _MADE.get(optimizer)
     if made is not None and all(a is b for a, b in zip(made[1], where)):
@@ -431,12 +439,6 @@ def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
         optimizer._variables[:] = [v for v in optimizer._variables if v is not variable]
 
     return variable, give_back
-
-
-def _inner(optimizer):
-    """The optimizer that owns the rate: a LossScaleOptimizer (mixed float16) delegates its
-    `learning_rate` to the one it wraps."""
-    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 class _NullScope:

@@ -61,6 +61,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_accel.utils.optimizers import inner_optimizer
+
 __all__ = ["CustomLoop", "StepGroup"]
 
 
@@ -395,7 +397,7 @@ class CustomLoop:
         the model compiled with this loop's optimizer. After `on_train_begin()`,
         `loop.initial_epoch` is the epoch a restored backup resumes at.
         """
-        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        inner = inner_optimizer(self.optimizer)
         if getattr(self.model, "optimizer", None) not in (self.optimizer, inner):
             raise ValueError(
                 "Callbacks read the optimizer from the model, but the model was not compiled "

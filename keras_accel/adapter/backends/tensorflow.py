@@ -19,6 +19,7 @@ from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals
+from keras_accel.utils.optimizers import inner_optimizer
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
 
@@ -557,7 +558,7 @@ def check_gradient_accumulation(optimizer, num_replicas: int) -> None:
     replicas (`merge_call`); TensorFlow refuses a merge_call inside a cond of a replicated
     step ("merge_call called while defining a new graph"), with raw MirroredStrategy too.
     """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if num_replicas > 1 and steps:
         raise NotImplementedError(
