@@ -13,10 +13,14 @@ from keras_accel.cli.backend import configured_backend
 
 
 def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed version of `package`, or of its nightly build (`keras-nightly`,
+    `keras-hub-nightly`, which install the same modules under another name)."""
+    for name in (package, f"{package}-nightly"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def backend_source() -> str:

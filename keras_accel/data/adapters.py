@@ -25,6 +25,19 @@ class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
     get_numpy_iterator = get_tf_dataset = get_jax_iterator = _unsupported
     get_torch_dataloader = _unsupported
 
+    @staticmethod
+    def jax_batches(iterator, super_batch=None):
+        """What Keras's JAX trainer asks `get_jax_iterator(super_batch=N)` for: from Keras
+        3.16 on, with `steps_per_execution=N` > 1 it runs N steps in one compiled scan over
+        N batches stacked on a new leading axis (the last, short group as a list). Stacked
+        here with Keras's own function, as its PyDataset adapter does; earlier Keras passes
+        nothing and gets the batches one by one."""
+        if not super_batch:
+            return iterator
+        import jax.numpy as jnp
+
+        return keras_internals.super_batch_iterator()(iterator, super_batch, stack_fn=jnp.stack)
+
     @property
     def batch_size(self):
         return None  # As for a generator: the step's batch size is the padded batch's.

@@ -76,8 +76,8 @@ class OneBatchAhead(PaddedBatchesAdapter):
 
     feeds = "the JAX trainer"
 
-    def get_jax_iterator(self):
-        return self._pass()
+    def get_jax_iterator(self, super_batch=None):
+        return self.jax_batches(self._pass(), super_batch)
 
     def on_epoch_begin(self):
         self.dataset.on_epoch_begin()

@@ -54,8 +54,8 @@ class GrainPasses(PaddedBatchesAdapter):
     def get_numpy_iterator(self):
         return self._pass()
 
-    def get_jax_iterator(self):
-        return self._pass()
+    def get_jax_iterator(self, super_batch=None):
+        return self.jax_batches(self._pass(), super_batch)
 
     def get_tf_dataset(self):
         import tensorflow as tf

@@ -391,6 +391,22 @@ def data_adapter_class() -> type:
     return _holder("DataAdapter").DataAdapter
 
 
+def super_batch_iterator():
+    """Keras 3.16's `data_adapter_utils.super_batch_iterator`: N batches stacked into one
+    (what its JAX trainer asks a DataAdapter for under `steps_per_execution` > 1), found
+    beside `keras.utils.PyDataset`'s adapter, which stacks its batches with it. Keras 3.15
+    never asks for it, so it is not in the checked list: only a Keras that asks gets here."""
+    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
+    function = getattr(utils, "super_batch_iterator", None)
+    if function is None:
+        raise _error(
+            "keras.utils.PyDataset's module",
+            "data_adapter_utils.super_batch_iterator",
+            "steps_per_execution > 1 on JAX",
+        )
+    return function
+
+
 def tf_trainer_module():
     """The module whose `reduce_per_replica` Keras's TF step functions call: the module of
     the TF trainer class in `keras.Model.__mro__` (the class defining `make_train_function`;

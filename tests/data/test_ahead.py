@@ -126,3 +126,25 @@ def test_one_cpu_device_reads_without_look_ahead_as_keras_does():
     x = np.zeros((32, 4), "float32")
     batches = acc.feeder.batches(x, np.zeros(32, "int64"), 16, True, None, None, True, "pad")
     assert isinstance(acc.runtime.wrap(batches, carry_mask=True), StaticBatchDataset)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="Keras's JAX trainer asks for super batches")
+def test_super_batches_as_keras_3_16_asks_for_them():
+    """Keras 3.16 runs `steps_per_execution=N` as one scan over N stacked batches and asks
+    `get_jax_iterator(super_batch=N)` for them (the short last group as a list); Keras 3.15
+    never asks, and gets the batches one by one."""
+    from keras_accel.utils import keras_internals
+
+    recording = _Recording(_batches())  # 5 batches of 8 rows
+    ahead = OneBatchAhead(recording.dataset, recording.place)
+    assert len(list(ahead.get_jax_iterator())) == 5
+    try:
+        keras_internals.super_batch_iterator()
+    except keras_internals.KerasInternalsError as error:  # Keras 3.15: nothing asks.
+        assert "super_batch_iterator" in str(error) and keras.__version__ in str(error)
+        return
+    groups = list(ahead.get_jax_iterator(super_batch=2))
+    assert [type(g).__name__ for g in groups] == ["tuple", "tuple", "PartialBatchList"]
+    x, _, _, mask = unpack(groups[0])
+    assert x.shape == (2, 8, 2) and mask.shape[:2] == (2, 8)
+    np.testing.assert_array_equal(x[1], recording.dataset.batches.batch(1)[0])
