@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 import weakref
@@ -441,14 +442,6 @@ def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
     return variable, give_back
 
 
-class _NullScope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
-
-
 def _layout(variable):
     """A JAX variable's layout over the mesh (None elsewhere)."""
     return getattr(variable, "_layout", None)
@@ -466,7 +459,7 @@ def _variable_scope(model):
     strategy = _strategy(model)
     if strategy is not None:
         return strategy.scope()
-    return _NullScope()
+    return contextlib.nullcontext()
 
 
 def _place_like(variable, reference) -> None:
@@ -474,7 +467,7 @@ def _place_like(variable, reference) -> None:
     mesh) when it was created outside the distribution's scope."""
     if keras.backend.backend() != "jax":
         return
-    layout = getattr(reference, "_layout", None)
-    if layout is not None and getattr(variable, "_layout", None) is None:
+    layout = _layout(reference)
+    if layout is not None and _layout(variable) is None:
         variable._layout = layout
         variable.assign(variable.value)
