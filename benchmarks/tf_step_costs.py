@@ -60,7 +60,7 @@ def main() -> int:
     import numpy as np
     import tensorflow as tf
 
-    import keras_accel.adapter.backends.tensorflow as tf_backend
+    import keras_accel.adapter.backends.tensorflow.runtime as tf_backend
     import keras_accel.adapter.session as session
     from keras_accel import Accelerator
     from keras_accel.models import cnn, compile_seed, mlp

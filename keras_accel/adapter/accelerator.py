@@ -48,16 +48,20 @@ class Accelerator:
 
     Args:
         strategy: a name from `keras_accel.STRATEGIES`: "auto" (default), "single",
-            "data_parallel", "mirrored", "model_parallel" (JAX), "tpu".
+            "data_parallel", "mirrored", "model_parallel" (JAX), "fsdp" (JAX: every
+            variable split over the devices), "tpu", or one registered with
+            `keras_accel.STRATEGIES.register`.
         devices: None for every device of the chosen platform, an int for the first N, or a
             list of device names such as ["cpu:0", "cpu:1"].
-        mesh_shape: (data, model) sizes for "model_parallel".
+        mesh_shape: (data, model) sizes for "model_parallel" (default: every device on
+            the model axis) and "fsdp" (default: every device on the data axis).
         mixed_precision: None, "bfloat16" or "float16": the Keras dtype policy of models
             built inside `scope()`.
         seed: seeds Python, NumPy and the backend, so every process starts from the same
             weights and shuffles the same way.
-        layout_map: a `keras.distribution.LayoutMap` for "model_parallel" (JAX); by default
-            Dense kernels are sharded over the "model" axis.
+        layout_map: a `keras.distribution.LayoutMap` for "model_parallel" or "fsdp" (JAX);
+            by default Dense kernels are sharded over the "model" axis (where it has more
+            than one device).
         remainder: what training does with the last, partial batch: "pad" (padded with
             zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch). The
             default, None, pads, except where the step cannot be told which rows are
@@ -474,8 +478,7 @@ class Accelerator:
 
     def _own_callbacks(self) -> list:
         """The runtime's callbacks for a Keras call (none on most runs)."""
-        own = getattr(self._runtime, "callbacks", None)
-        return [] if own is None else own()
+        return self._runtime.callbacks()
 
     def _with_own(self, callbacks):
         """The user's callbacks and the runtime's; the user's own object where none."""

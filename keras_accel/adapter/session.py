@@ -44,8 +44,7 @@ class FunctionCache:
     def key(self, model, kind: str, contract: StepContract, runtime=None) -> tuple:
         # Everything a compiled step closes over that a user can change between calls.
         n = getattr(model, "steps_per_execution", 1)
-        reads = getattr(runtime, "reads_steps_per_execution", None)
-        if reads is not None and reads(model, kind):
+        if runtime is not None and runtime.reads_steps_per_execution(model, kind):
             n = "N > 1"  # A function that reads N at each call: one for every N > 1.
         return (
             kind,
@@ -146,8 +145,7 @@ class Session:
         return self
 
     def _make_function(self, kind: str):
-        make = getattr(self.runtime, "make_function", None)
-        return None if make is None else make(self.model, kind)
+        return self.runtime.make_function(self.model, kind)
 
     def _contract(self, kind: str) -> StepContract:
         contracts = self._outer.contracts if self._outer is not None else self.contracts
@@ -164,9 +162,7 @@ class Session:
             lambda kind, data: self.record(model, kind, data),
             runtime.row_count,
         )
-        outer = getattr(runtime, "install_outer", None)
-        if outer is not None:  # What must wrap our step wrappers (JAX: gathered outputs).
-            outer(patches, model)
+        runtime.install_outer(patches, model)  # What must wrap our step wrappers.
         install_metric_masks(patches, model)
         if getattr(model, "_loss_tracker", None) is not None:
             install_loss_trackers(patches, model)

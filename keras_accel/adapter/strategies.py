@@ -1,25 +1,205 @@
-"""Strategy names, and the one function that turns a name plus the visible devices into a plan.
+"""The strategy registry, and the one function that turns a name plus the visible devices
+into a plan.
 
-A `Plan` is backend-neutral (Keras's DeviceMesh idea): which devices, arranged how. The
-backend modules turn it into a `keras.distribution` object or a `tf.distribute` strategy.
+A `Plan` is backend-neutral (Keras's DeviceMesh idea): which devices, arranged how. Each
+strategy name has one entry in `STRATEGIES`, and each backend registers, per name, the
+builder that turns a `Plan` into that backend's object: a `keras.distribution`
+Distribution on JAX, a `tf.distribute` strategy on TensorFlow (the shape of Lightning
+Fabric's strategy registry). A backend registers its builders when it is imported
+(`keras_accel.adapter.backends.load`), so naming a strategy imports no backend.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
+from collections.abc import Callable
 
-# name -> what it means; the registry every error message lists.
-STRATEGIES: dict[str, str] = {
-    "auto": "pick the best available: TPU > several GPUs > one GPU > CPU devices",
-    "single": "one device, no distribution",
-    "data_parallel": "replicate the model, split each batch over all chosen devices",
-    "mirrored": "data parallel (the tf.distribute name; same as data_parallel on JAX)",
-    "model_parallel": "JAX only: a (batch, model) device mesh with a LayoutMap",
-    "tpu": "data parallel over TPU cores (TPUStrategy on TF, TPU devices on JAX)",
-    "multi_worker": "data parallel over every process of a cluster (TF: MultiWorkerMirrored"
-    "Strategy, what auto picks under a multi-worker TF_CONFIG; JAX: data_parallel)",
-}
+# A builder: (plan, layout_map) -> the backend's distribution object, or None for one device.
+Builder = Callable[["Plan", object], object]
+
+MESHES = ("data", "data_model")
+
+
+@dataclasses.dataclass
+class Strategy:
+    """One registered strategy.
+
+    Attributes:
+        name: what `Accelerator(strategy=...)` takes.
+        description: one line, listed by errors and `keras-accel env`.
+        mesh: "data" (one axis: every device holds a replica) or "data_model" (a
+            `(data, model)` mesh from `mesh_shape`, variables laid out by a `LayoutMap`).
+        platform: the platform it needs ("tpu"), or None for the first one with devices.
+        devices_on: for a "data_model" mesh without `mesh_shape`, the axis that gets every
+            device: "model" (`model_parallel`: (1, N)) or "data" (`fsdp`: (N, 1)).
+        builders: backend name -> `Builder`, filled in by the backends.
+    """
+
+    name: str
+    description: str
+    mesh: str = "data"
+    platform: str | None = None
+    devices_on: str = "model"
+    builders: dict[str, Builder] = dataclasses.field(default_factory=dict)
+
+
+class StrategyRegistry(collections.abc.Mapping):
+    """Strategy names -> their descriptions (what `keras_accel.STRATEGIES` lists), each an
+    entry with a builder per backend.
+
+    Example:
+
+    >>> import keras_accel
+    >>> "data_parallel" in keras_accel.STRATEGIES
+    True
+    >>> keras_accel.STRATEGIES.entry("model_parallel").mesh
+    'data_model'
+    """
+
+    def __init__(self):
+        self._entries: dict[str, Strategy] = {}
+
+    def __getitem__(self, name: str) -> str:
+        return self._entries[name].description
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def register(
+        self,
+        name: str,
+        description: str,
+        *,
+        mesh: str = "data",
+        platform: str | None = None,
+        devices_on: str = "model",
+        override: bool = False,
+        **builders: Builder,
+    ) -> Strategy:
+        """Add a strategy, with builders by backend name (`jax=`, `tensorflow=`); more
+        builders can follow with `builder`. A name is registered once unless `override`.
+
+        Example, a data-parallel strategy of one's own on JAX:
+
+        >>> import keras_accel
+        >>> from keras import distribution
+        >>> def two_devices(plan, layout_map):
+        ...     return distribution.DataParallel(devices=list(plan.devices)[:2])
+        >>> entry = keras_accel.STRATEGIES.register(
+        ...     "first_two", "data parallel over the first two devices", jax=two_devices
+        ... )
+        >>> keras_accel.STRATEGIES.unregister("first_two")
+        """
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(
+                f"A strategy name must be an identifier such as 'my_strategy'. Received: "
+                f"name={name!r}"
+            )
+        if name in self._entries and not override:
+            raise ValueError(
+                f"Strategy {name!r} is already registered ({self._entries[name].description}). "
+                "Pass override=True to replace it, or choose another name."
+            )
+        if mesh not in MESHES:
+            raise ValueError(f"`mesh` must be one of {MESHES}. Received: mesh={mesh!r}")
+        if devices_on not in ("model", "data"):
+            raise ValueError(
+                f"`devices_on` must be 'model' or 'data'. Received: devices_on={devices_on!r}"
+            )
+        entry = self._entries[name] = Strategy(name, description, mesh, platform, devices_on)
+        for backend, build in builders.items():
+            self.builder(name, backend)(build)
+        return entry
+
+    def unregister(self, name: str) -> None:
+        """Remove a strategy `register` added (the built-in ones stay)."""
+        if name in BUILT_IN:
+            raise ValueError(f"{name!r} is built in and cannot be unregistered.")
+        self.entry(name)
+        del self._entries[name]
+
+    def builder(self, name: str, backend: str) -> Callable[[Builder], Builder]:
+        """A decorator: `function` builds strategy `name` on `backend`."""
+        entry = self.entry(name)
+
+        def register(function: Builder) -> Builder:
+            if not callable(function):
+                raise TypeError(
+                    f"A builder must be callable as builder(plan, layout_map). Received: "
+                    f"{function!r} for {backend}={name!r}"
+                )
+            entry.builders[backend] = function
+            return function
+
+        return register
+
+    def entry(self, name: str) -> Strategy:
+        """The entry of `name`; an unknown name lists the valid ones."""
+        if not isinstance(name, str) or name not in self._entries:
+            valid = ", ".join(repr(n) for n in self._entries)
+            raise ValueError(
+                f"Unknown strategy. Received: strategy={name!r}. Valid names: {valid}."
+            )
+        return self._entries[name]
+
+    def build(self, plan: Plan, backend: str, layout_map=None):
+        """The backend's distribution object for `plan` (None: one device, no strategy)."""
+        entry = self.entry(plan.strategy)
+        if layout_map is not None and entry.mesh != "data_model":
+            takes = [n for n, e in self._entries.items() if e.mesh == "data_model"]
+            raise ValueError(
+                f"layout_map is only used by a strategy with a (data, model) mesh "
+                f"({', '.join(repr(n) for n in takes)}). Received: strategy={plan.strategy!r} "
+                "with a layout_map."
+            )
+        build = entry.builders.get(backend)
+        if build is None:
+            on = sorted(entry.builders) or ["none"]
+            raise ValueError(
+                f"strategy={plan.strategy!r} has no builder for KERAS_BACKEND={backend}; it "
+                f"builds on: {', '.join(on)}. Use one of those backends, or register a "
+                f"builder with keras_accel.STRATEGIES.builder({plan.strategy!r}, {backend!r})."
+            )
+        return build(plan, layout_map)
+
+
+STRATEGIES = StrategyRegistry()
+STRATEGIES.register("auto", "pick the best available: TPU > several GPUs > one GPU > CPU devices")
+STRATEGIES.register("single", "one device, no distribution")
+STRATEGIES.register(
+    "data_parallel", "replicate the model, split each batch over all chosen devices"
+)
+STRATEGIES.register(
+    "mirrored", "data parallel (the tf.distribute name; same as data_parallel on JAX)"
+)
+STRATEGIES.register(
+    "model_parallel",
+    "JAX only: a (batch, model) device mesh with a LayoutMap",
+    mesh="data_model",
+)
+STRATEGIES.register(
+    "fsdp",
+    "JAX only: fully sharded data parallel (every variable split over the data axis; "
+    "optionally a (data, model) mesh with a LayoutMap)",
+    mesh="data_model",
+    devices_on="data",
+)
+STRATEGIES.register(
+    "tpu",
+    "data parallel over TPU cores (TPUStrategy on TF, TPU devices on JAX)",
+    platform="tpu",
+)
+STRATEGIES.register(
+    "multi_worker",
+    "data parallel over every process of a cluster (TF: MultiWorkerMirroredStrategy, what "
+    "auto picks under a multi-worker TF_CONFIG; JAX: data_parallel)",
+)
+BUILT_IN = frozenset(STRATEGIES)
 
 PLATFORM_ORDER = ("tpu", "gpu", "cpu")
 
@@ -46,10 +226,7 @@ class Plan:
 
 
 def check_strategy_name(name: str) -> str:
-    if not isinstance(name, str) or name not in STRATEGIES:
-        valid = ", ".join(repr(n) for n in STRATEGIES)
-        raise ValueError(f"Unknown strategy. Received: strategy={name!r}. Valid names: {valid}.")
-    return name
+    return STRATEGIES.entry(name).name
 
 
 def resolve(
@@ -71,7 +248,7 @@ def resolve(
         workers: the worker count of a TF multi-worker cluster (TF_CONFIG), else None. Then
             `inventory` lists this worker's devices, and data parallelism spans the workers.
     """
-    check_strategy_name(strategy)
+    entry = STRATEGIES.entry(strategy)
     if workers is not None and strategy in ("auto", "data_parallel", "mirrored"):
         strategy = "multi_worker"
     if strategy == "multi_worker":
@@ -83,13 +260,14 @@ def resolve(
         local = local if platform == "gpu" else local[:1]
         replicas = workers * len(local)
         return Plan("multi_worker", platform, tuple(local), (replicas, 1))
-    if strategy == "tpu":
-        platform = "tpu"
-        if not inventory.get("tpu"):
+    if entry.platform is not None:
+        platform = entry.platform
+        if not inventory.get(platform):
             raise RuntimeError(
-                "strategy='tpu' but no TPU was found. Looked for: "
+                f"strategy={strategy!r} but no {platform.upper()} was found. Looked for: "
                 f"{', '.join(k for k in inventory) or 'nothing'} devices only. Use "
-                "strategy='auto' to run on what is there, or run where a TPU is attached."
+                f"strategy='auto' to run on what is there, or run where a {platform.upper()} "
+                "is attached."
             )
     else:
         # auto: the first platform that has devices, in the documented order.
@@ -100,8 +278,9 @@ def resolve(
         strategy = "tpu" if platform == "tpu" else "single" if len(chosen) == 1 else "data_parallel"
     if strategy == "single":
         chosen = chosen[:1]
-    if strategy == "model_parallel":
-        shape = tuple(mesh_shape) if mesh_shape is not None else (1, len(chosen))
+    if entry.mesh == "data_model":
+        every = (len(chosen), 1) if entry.devices_on == "data" else (1, len(chosen))
+        shape = tuple(mesh_shape) if mesh_shape is not None else every
     else:
         shape = (len(chosen), 1)
         if mesh_shape is not None and tuple(mesh_shape) not in (shape, (len(chosen),)):

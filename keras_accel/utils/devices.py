@@ -14,6 +14,18 @@ def current_backend() -> str:
     return keras.backend.backend()
 
 
+def parse_device_name(name: str) -> tuple[str, int]:
+    """`"gpu:3"` -> `("gpu", 3)`: keras_accel's device names, platform and index, as both
+    backends' inventories list them."""
+    platform, _, index = str(name).partition(":")
+    if platform not in ("cpu", "gpu", "tpu") or not index.isdigit():
+        raise ValueError(
+            f"A device name is a platform and an index, such as 'cpu:0' or 'gpu:3'. "
+            f"Received: {name!r}"
+        )
+    return platform, int(index)
+
+
 def configure_virtual_cpu_devices(count: int) -> None:
     """Expose the host CPU as `count` logical devices for the active Keras backend.
 

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import weakref
 
 import jax
 import keras
 import numpy as np
 from keras import distribution as kd
-from keras import ops
 
+from keras_accel.adapter import runtime
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.sharding import fully_sharded_axes, is_replicated
 from keras_accel.adapter.steps import overrides_any_step
-from keras_accel.adapter.strategies import Plan
+from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.batching import flatten
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
 from keras_accel.data.sources import refuse_preprocessing as _refuse_preprocessing
 from keras_accel.utils import keras_internals
+from keras_accel.utils.devices import parse_device_name
+from keras_accel.utils.printing import print_msg
 
 HEARTBEAT_TIMEOUT_S = int(os.environ.get("KERAS_ACCEL_HEARTBEAT_TIMEOUT", "100"))
 
@@ -79,8 +82,8 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
 
 
 def _jax_device(name: str):
-    platform, index = name.split(":")
-    return next(d for d in jax.devices(platform) if d.id == int(index))
+    platform, index = parse_device_name(name)
+    return next(d for d in jax.devices(platform) if d.id == index)
 
 
 class MainThreadBatchEnds(keras.callbacks.Callback):
@@ -97,34 +100,102 @@ class MainThreadBatchEnds(keras.callbacks.Callback):
         pass
 
 
-class Runtime:
+@STRATEGIES.builder("single", "jax")
+def _single(plan: Plan, layout_map):
+    return None
+
+
+@STRATEGIES.builder("data_parallel", "jax")
+@STRATEGIES.builder("mirrored", "jax")
+@STRATEGIES.builder("tpu", "jax")
+@STRATEGIES.builder("multi_worker", "jax")
+def _data_parallel(plan: Plan, layout_map):
+    # Several processes: each feeds its own rows of every global batch (`Runtime.wrap`);
+    # Keras's auto-sharding would want a tf.data.Dataset and shard it by files.
+    return kd.DataParallel(devices=list(plan.devices), auto_shard_dataset=jax.process_count() == 1)
+
+
+@STRATEGIES.builder("model_parallel", "jax")
+def _model_parallel(plan: Plan, layout_map):
+    mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
+    layout_map = layout_map if layout_map is not None else default_layout_map(mesh)
+    if layout_map.device_mesh is not mesh:
+        layout_map = _rebind(layout_map, mesh)
+    return kd.ModelParallel(
+        layout_map=layout_map,
+        batch_dim_name="batch",
+        auto_shard_dataset=jax.process_count() == 1,
+    )
+
+
+class FullyShardedDataParallel(kd.ModelParallel):
+    """`keras.distribution.ModelParallel` whose variables are also split over the data axis
+    (`strategy="fsdp"`): each variable's layout is the `LayoutMap`'s (replicated where the
+    map has none), with the data axis added on its largest free dimension that the axis
+    divides (`keras_accel.adapter.sharding`). Batches are split over the same axis, so each
+    device holds 1/N of the state and its 1/N of the batch; XLA gathers the weights a step
+    needs and scatters the gradients back (ZeRO-3). A variable created with a layout of its
+    own (an optimizer slot takes its variable's) keeps it."""
+
+    def get_variable_layout(self, variable):
+        layout = super().get_variable_layout(variable)
+        if not isinstance(layout, kd.TensorLayout):
+            return layout  # A backend sharding given by hand: the user's.
+        mesh = self.device_mesh
+        size = mesh.shape[mesh.axis_names.index(self.batch_dim_name)]
+        axes = fully_sharded_axes(variable.shape, layout.axes, self.batch_dim_name, size)
+        if axes == tuple(layout.axes):
+            return layout
+        return kd.TensorLayout(axes, mesh)
+
+
+_NOTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _note_replicated(model, distribution) -> None:
+    """Say once per model which of its weights `fsdp` keeps whole on every device (no
+    dimension the data axis divides): each costs its full size on every device."""
+    if model in _NOTED:
+        return
+    _NOTED.add(model)
+    mesh = distribution.device_mesh
+    size = mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
+    whole = [
+        f"{v.path} {tuple(v.shape)}"
+        for v in model.weights
+        if len(v.shape) and is_replicated(distribution.get_variable_layout(v).axes)
+    ]
+    if whole:
+        shown = ", ".join(whole[:5]) + (f" and {len(whole) - 5} more" if len(whole) > 5 else "")
+        print_msg(
+            f"keras_accel: fsdp keeps {len(whole)} weight(s) whole on every device, no "
+            f"dimension being a multiple of the data axis ({size}): {shown}."
+        )
+
+
+@STRATEGIES.builder("fsdp", "jax")
+def _fsdp(plan: Plan, layout_map):
+    mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
+    if layout_map is None:
+        # A model axis of one: nothing to split across it.
+        layout_map = default_layout_map(mesh) if plan.mesh_shape[1] > 1 else kd.LayoutMap(mesh)
+    elif layout_map.device_mesh is not mesh:
+        layout_map = _rebind(layout_map, mesh)
+    return FullyShardedDataParallel(
+        layout_map=layout_map,
+        batch_dim_name="batch",
+        auto_shard_dataset=jax.process_count() == 1,
+    )
+
+
+class Runtime(runtime.Runtime):
     """A `keras.distribution` Distribution (or a single device) built from a `Plan`."""
 
     all_reduce_sum = None  # jit programs are global-view: sums already span every replica.
 
-    def __init__(self, plan: Plan, layout_map=None):
-        self.plan = plan
-        self.num_replicas = plan.num_replicas
-        devices = list(plan.devices)
-        self._devices = {_jax_device(name) for name in devices}
-        if plan.strategy == "single":
-            self.native = None
-        elif plan.strategy == "model_parallel":
-            mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], devices)
-            layout_map = layout_map if layout_map is not None else default_layout_map(mesh)
-            if layout_map.device_mesh is not mesh:
-                layout_map = _rebind(layout_map, mesh)
-            self.native = kd.ModelParallel(
-                layout_map=layout_map,
-                batch_dim_name="batch",
-                auto_shard_dataset=jax.process_count() == 1,
-            )
-        else:
-            # Several processes: each feeds its own rows of every global batch (`wrap`);
-            # Keras's auto-sharding would want a tf.data.Dataset and shard it by files.
-            self.native = kd.DataParallel(
-                devices=devices, auto_shard_dataset=jax.process_count() == 1
-            )
+    def __init__(self, plan: Plan, native):
+        super().__init__(plan, native)
+        self._devices = {_jax_device(name) for name in plan.devices}
 
     def own_files(self, batches):
         """This process's own files of a file-backed tf.data pipeline (`batches`), where
@@ -157,17 +228,8 @@ class Runtime:
             )
         return slice(start, stop)
 
-    @contextlib.contextmanager
-    def scope(self):
-        if self.native is None:
-            with jax.default_device(_jax_device(self.plan.devices[0])):
-                yield
-        else:
-            with self.native.scope():
-                yield
-
-    def model_misplaced(self, model) -> str | None:
-        return None  # JAX places variables, not models: see `variable_misplaced`.
+    def device_scope(self):
+        return jax.default_device(_jax_device(self.plan.devices[0]))
 
     def reads_steps_per_execution(self, model, kind: str) -> bool:
         """Keras's JAX step function for N > 1 reads N at each call (a Python loop over
@@ -196,6 +258,8 @@ class Runtime:
         return []
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if isinstance(self.native, FullyShardedDataParallel):
+            _note_replicated(model, self.native)
         if first_batch is None:
             return
         # Keras builds a model symbolically from the first batch it reads; ours carries the
@@ -208,9 +272,6 @@ class Runtime:
     def install_outer(self, patches: Patches, model) -> None:
         if self.native is not None and jax.process_count() > 1:
             _install_replicated_predictions(patches, model, self.native)
-
-    def row_count(self, row_mask):
-        return ops.sum(row_mask)
 
     def _one_cpu_device(self) -> bool:
         return self.native is None and self.plan.devices[0].startswith("cpu:")
@@ -324,12 +385,7 @@ def _rebind(layout_map, mesh):
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
-    if layout_map is not None and plan.strategy != "model_parallel":
-        raise ValueError(
-            f"layout_map is only used by strategy='model_parallel'. Received: "
-            f"strategy={plan.strategy!r} with a layout_map."
-        )
-    return Runtime(plan, layout_map)
+    return Runtime(plan, STRATEGIES.build(plan, "jax", layout_map))
 
 
 def backend_versions() -> dict[str, str]:

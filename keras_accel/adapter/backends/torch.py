@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from keras import ops
-
-from keras_accel.adapter.patches import Patches
-from keras_accel.adapter.strategies import Plan
+from keras_accel.adapter import runtime
+from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.pydataset import StaticBatchDataset
 
 
@@ -19,32 +15,14 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
     return {"cpu": ["cpu:0"]}
 
 
-class Runtime:
-    all_reduce_sum = None
-    native = None
+@STRATEGIES.builder("single", "torch")
+def _single(plan: Plan, layout_map):
+    return None  # The Accelerator runs every strategy as "single" on torch, with a warning.
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
-        self.num_replicas = 1
 
-    @contextlib.contextmanager
-    def scope(self):
-        yield
-
-    def model_misplaced(self, model) -> str | None:
-        return None
-
-    def variable_misplaced(self, variable) -> str | None:
-        return None
-
-    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
-        return None  # Keras builds torch models from the step's own data, at the first step.
-
-    def row_count(self, row_mask):
-        return ops.sum(row_mask)
-
-    def own_files(self, batches):
-        return None  # One process: nothing to share.
+class Runtime(runtime.Runtime):
+    """One device: Keras builds torch models from the step's own data, at the first step,
+    and places them itself."""
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         if preprocess is not None or not hasattr(batches, "batch"):
@@ -58,7 +36,7 @@ class Runtime:
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
-    return Runtime(plan)
+    return Runtime(plan, STRATEGIES.build(plan, "torch", layout_map))
 
 
 def backend_versions() -> dict[str, str]:

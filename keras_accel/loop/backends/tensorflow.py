@@ -7,7 +7,8 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from keras_accel.adapter.backends.tensorflow import all_reduce_sum, install_global_batch_losses
+from keras_accel.adapter.backends.tensorflow.losses import install_global_batch_losses
+from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
@@ -22,7 +23,7 @@ class Steps:
         self.loop = loop
         self.runtime = loop.accelerator.runtime
         self.strategy = self.runtime.native
-        from keras_accel.adapter.backends.tensorflow import check_gradient_accumulation
+        from keras_accel.adapter.backends.tensorflow.checks import check_gradient_accumulation
 
         check_gradient_accumulation(loop.optimizer, self.runtime.num_replicas)
         self.traces: collections.Counter = collections.Counter()
@@ -151,6 +152,14 @@ class Steps:
     def predict(self, batch):
         return self._run("predict", batch)
 
+    def _forward(self, x, mask, training: bool):
+        """The model on `x`, its BatchNormalization layers reading the batch's row mask."""
+        token = ROW_MASK.set(mask)
+        try:
+            return self.loop.model(x, training=training)
+        finally:
+            ROW_MASK.reset(token)
+
     def _train(self, batch):
         from keras_accel.loop import per_example_losses
 
@@ -160,11 +169,7 @@ class Steps:
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         real = all_reduce_sum([tf.reduce_sum(mask)])[0]
         with tf.GradientTape() as tape:
-            token = ROW_MASK.set(mask)
-            try:
-                y_pred = model(x, training=True)
-            finally:
-                ROW_MASK.reset(token)
+            y_pred = self._forward(x, mask, training=True)
             per = per_example_losses(loop.loss, y, y_pred)
             # This replica's share of the global batch's mean over real rows, times the
             # replica count: the optimizer averages the replicas' gradients (see above), so
@@ -179,11 +184,7 @@ class Steps:
         from keras_accel.loop import per_example_losses
 
         x, y, weights, mask = unpack(batch)
-        token = ROW_MASK.set(mask)
-        try:
-            y_pred = self.loop.model(x, training=False)
-        finally:
-            ROW_MASK.reset(token)
+        y_pred = self._forward(x, mask, training=False)
         per = per_example_losses(self.loop.loss, y, y_pred)
         self._update_metrics(y, y_pred, per, weights, mask)
 

@@ -1,0 +1,53 @@
+"""TensorFlow: `tf.distribute` strategies (OneDevice, Mirrored, TPU, MultiWorkerMirrored).
+
+One module per job:
+
+- `tpu`: finding and connecting to a TPU, once per process;
+- `cluster`: the process's MultiWorkerMirroredStrategy, and what workers agree on;
+- `strategies`: the strategy each name builds (the registry's TensorFlow builders);
+- `runtime`: the `Runtime` around that strategy, and the distributed data sets it feeds;
+- `shared`: Keras's class and module attributes that running calls share;
+- `losses`: global-batch losses and the replicas' averaged gradients;
+- `reduction`: sums, metrics' global results and multi-worker logs across replicas;
+- `fused`: N steps in one `tf.function` (`steps_per_execution`);
+- `checks`: what TensorFlow refuses under a strategy, refused first in our words.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_accel.adapter.backends.tensorflow.cluster import agree_all, agree_seed, connect
+from keras_accel.adapter.backends.tensorflow.runtime import Runtime
+from keras_accel.adapter.backends.tensorflow.tpu import connect_tpu
+from keras_accel.adapter.strategies import STRATEGIES, Plan
+
+__all__ = [
+    "Runtime",
+    "agree_all",
+    "agree_seed",
+    "backend_versions",
+    "build",
+    "connect",
+    "inventory",
+]
+
+
+def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
+    found = {}
+    if probe_tpu and connect_tpu() is not None:
+        found["tpu"] = [f"tpu:{i}" for i in range(len(tf.config.list_logical_devices("TPU")))]
+    for platform in ("GPU", "CPU"):
+        devices = tf.config.list_logical_devices(platform)
+        if devices:
+            found[platform.lower()] = [f"{platform.lower()}:{i}" for i in range(len(devices))]
+    return found
+
+
+def build(plan: Plan, layout_map=None) -> Runtime:
+    return Runtime(plan, STRATEGIES.build(plan, "tensorflow", layout_map))
+
+
+def backend_versions() -> dict[str, str]:
+    return {"tensorflow": tf.__version__, "keras": keras.__version__}

@@ -1,0 +1,207 @@
+"""The TensorFlow runtime: a tf.distribute strategy from the registry, what one call
+changes under it, and the distributed data sets its replicas read."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_accel.adapter import runtime
+from keras_accel.adapter.backends.tensorflow import checks, cluster
+from keras_accel.adapter.backends.tensorflow.fused import fused_function
+from keras_accel.adapter.backends.tensorflow.losses import install_global_batch_losses
+from keras_accel.adapter.backends.tensorflow.reduction import (
+    all_reduce_sum,
+    global_result,
+    install_reduce_logs,
+)
+from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import install_global_results, overrides_any_step
+from keras_accel.adapter.strategies import Plan
+from keras_accel.data.adapters import PaddedBatchesAdapter
+from keras_accel.data.pydataset import StaticBatchDataset, stream
+from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
+from keras_accel.utils import keras_internals
+
+
+class Runtime(runtime.Runtime):
+    """A `tf.distribute` strategy (or one device) built from a `Plan`."""
+
+    def __init__(self, plan: Plan, native):
+        super().__init__(plan, native)
+        # BatchNormalization sums its moments across replicas (see adapter.batchnorm).
+        self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
+
+    def device_scope(self):
+        return tf.device(tf_device_name(self.plan.devices[0]))
+
+    def scope(self):
+        checks.check_not_nested(self.native)
+        return super().scope()
+
+    def model_misplaced(self, model) -> str | None:
+        """Why `model` would not run under this runtime's strategy, or None."""
+        checks.check_not_nested(self.native)  # Else the advice below leads back into the scope.
+        strategy = keras_internals.distribute_strategy_of(model)
+        if strategy is self.native:
+            return None
+        # Keras trains such a model on one device without a word.
+        owner = "no strategy" if strategy is None else f"another {type(strategy).__name__}"
+        return f"it belongs to {owner}"
+
+    def variable_misplaced(self, variable) -> str | None:
+        """Why `variable` was not created under this runtime's strategy, or None."""
+        strategy = getattr(variable.value, "distribute_strategy", None)
+        if strategy is self.native:
+            return None
+        return "is a plain variable" if strategy is None else "belongs to another strategy"
+
+    def make_function(self, model, kind: str):
+        """Keras's step function for `kind`, or ours where Keras's cannot run: N > 1 fused
+        train or test steps (see `fused_function`). None: Keras makes its own."""
+        if not self.reads_steps_per_execution(model, kind):
+            return None
+        return fused_function(model, kind)
+
+    def reads_steps_per_execution(self, model, kind: str) -> bool:
+        """Whether `kind`'s step function reads N > 1 at each call (ours, fused), so that
+        one function serves every N > 1; Keras's own TF function compiles N in."""
+        n = int(getattr(model, "steps_per_execution", 1) or 1)
+        return n > 1 and kind != "predict" and not model.run_eagerly
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if self.native is not None and first_batch is not None:
+            # Keras builds a model from the first batch it reads (under a strategy, reduced
+            # across replicas with MEAN first, which fails for strings and booleans: raw
+            # text, keras-hub padding masks). Ours carries the row mask, which only our step
+            # wrappers understand: build from the batch the model's step sees instead.
+            keras_internals.install_symbolic_build(
+                patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+            )
+            keras_internals.require(model, "_maybe_symbolic_build", "the TF trainer's build")
+
+            def build(iterator=None, data_batch=None):
+                model._symbolic_build()
+
+            patches.set(model, "_maybe_symbolic_build", build)
+        if self.plan.strategy == "multi_worker":
+            install_reduce_logs(patches, self.native)
+        if self.num_replicas > 1:
+            if training:
+                checks.check_optimizers_built(model)
+                for optimizer in checks.optimizers(model):
+                    checks.check_gradient_accumulation(optimizer, self.num_replicas)
+            install_global_batch_losses(patches, self.native)
+            install_global_results(patches, model, global_result)
+
+    def row_count(self, row_mask):
+        # Each replica weights its share of the epoch's loss average by the global batch's
+        # real rows over the replica count: summed over replicas, the real rows.
+        (total,) = all_reduce_sum([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
+        return total / self.num_replicas
+
+    def wrap(self, batches, carry_mask: bool = True, preprocess=None):
+        from keras_accel.data import tfdata
+
+        if isinstance(batches, ArrayBatches):
+            pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
+        elif isinstance(batches, tfdata.TFDatasetBatches):
+            own = batches.own_files if carry_mask else None
+            if own is not None:  # This worker's own files: its rows of each global batch.
+                mine = own.pipeline(carry_mask, preprocess)
+                distributed = self.distribute(mine, own.plan.static_rows, own=True)
+                return DistributedBatches(distributed, mine, num_batches=None)
+            pipeline = batches.pipeline(carry_mask, preprocess)
+        elif self.plan.strategy == "multi_worker":
+            raise ValueError(
+                "Under MultiWorkerMirroredStrategy keras_accel feeds each worker its rows of "
+                "every global batch through tf.data; a keras.utils.PyDataset, a generator or a "
+                "Grain data set has no tf.data form here. Received: "
+                f"{type(batches.source).__name__}. Pass arrays or a tf.data.Dataset."
+            )
+        elif isinstance(batches, IterableBatches):
+            refuse_preprocessing(batches, preprocess)
+            return stream(batches, carry_mask=carry_mask)  # Keras's route for generators.
+        else:
+            # A user's PyDataset: Keras's own route (tf.data from a generator).
+            return StaticBatchDataset(batches, carry_mask=carry_mask)
+        if self.native is None or self.plan.strategy == "tpu":
+            return pipeline  # Keras distributes it (TPU: experimental_distribute_dataset).
+        if not carry_mask and self.plan.strategy != "multi_worker":
+            return pipeline  # `Accelerator.dataset`: a tf.data.Dataset, as it says.
+        distributed = self.distribute(pipeline, batches.plan.static_rows)
+        return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
+
+    def distribute(self, pipeline, static_rows: int, own: bool = False):
+        """Global batches of `static_rows` rows as the strategy's distributed data set: each
+        worker keeps its rows of every global batch (the same batches on every worker: same
+        order, same padding), and each of its replicas gets its slice of those. `own`: the
+        pipeline already holds only this worker's rows (its own files, `static_rows` each).
+
+        MirroredStrategy's own `experimental_distribute_dataset` splits each batch the same
+        way, but first serializes and clones the pipeline's graph for the workers' devices;
+        an in-memory array pipeline holds the arrays in its graph, so that copied them (a
+        CIFAR-10-sized training set cost 190 MiB more at the peak than this, 8 replicas).
+        Across workers this is what auto-sharding by data would do, except that it shards
+        rows of each batch, not whole batches: whole batches would give each worker other
+        global batches."""
+        from keras_accel.data import tfdata
+        from keras_accel.utils import process
+
+        if self.plan.strategy == "tpu":
+            return self.native.experimental_distribute_dataset(pipeline)
+        if self.plan.strategy == "multi_worker" and not own:
+            share = static_rows // process.num_processes()
+            index = process.process_index()
+            pipeline = tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))
+        return self._distribute(pipeline)
+
+    def own_files(self, batches):
+        """Under MultiWorkerMirroredStrategy, this worker's own files of a file-backed
+        pipeline where every worker can read its own (`keras_accel.data.tfdata.
+        ProcessFiles`), else None. Where the workers' data end after different numbers of
+        batches, `tf.distribute`'s partial-batch handling feeds an empty batch to a worker
+        that ran out, as long as another has data (its `get_next_as_optional` all-reduces
+        which workers have a batch, every step): the step weights nothing there."""
+        from keras_accel.data import tfdata
+        from keras_accel.utils import process
+
+        if self.plan.strategy != "multi_worker":
+            return None
+        own = tfdata.process_files(batches, process.num_processes(), process.process_index())
+        return own if cluster.agree_all(own is not None) else None
+
+    def _distribute(self, mine):
+        """`mine` (this worker's rows of each global batch) as the strategy's distributed
+        data set, each batch cut into its local replicas' slices."""
+        from keras_accel.data import tfdata
+
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        local = len(self.native.extended.worker_devices)
+        slices = tfdata.replica_slices(mine, local).with_options(options)
+        return self.native.distribute_datasets_from_function(lambda context: slices)
+
+
+class DistributedBatches(PaddedBatchesAdapter):
+    """A distributed data set of ours as Keras's TF trainer reads it: a Keras `DataAdapter`
+    (Keras's TF epoch iterator takes a `DistributedDataset` as it is) whose length is in
+    global batches. The distributed data set's own cardinality counts its replicas'
+    slices, one element each.
+
+    `keras_accel_local` is the undistributed pipeline, what the model is built from
+    (`keras_accel.adapter.accelerator._first_batch`)."""
+
+    feeds = "TensorFlow's trainer"
+
+    def __init__(self, distributed, local, num_batches: int | None):
+        self.distributed = distributed
+        self.keras_accel_local = local
+        self._num_batches = num_batches
+
+    def get_tf_dataset(self):
+        return self.distributed
+
+    @property
+    def num_batches(self):
+        return self._num_batches

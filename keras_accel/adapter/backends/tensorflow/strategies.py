@@ -1,0 +1,94 @@
+"""The tf.distribute strategy each strategy name builds (the registry's TensorFlow
+builders, `keras_accel.adapter.strategies.STRATEGIES`)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_accel.adapter.backends.tensorflow import cluster
+from keras_accel.adapter.backends.tensorflow.tpu import connect_tpu
+from keras_accel.adapter.strategies import STRATEGIES, Plan
+from keras_accel.utils.devices import parse_device_name
+
+
+def tf_device_name(device: str) -> str:
+    """keras_accel's "gpu:1" as TensorFlow names it: "/device:GPU:1"."""
+    platform, index = parse_device_name(device)
+    return f"/device:{platform.upper()}:{index}"
+
+
+class _MirroredStrategy(tf.distribute.MirroredStrategy):
+    """A MirroredStrategy whose collective keys cannot clash with another strategy's.
+
+    Every `tf.distribute.MirroredStrategy` numbers its collective groups and instances from
+    the same start, so two strategies over the same devices in one process (a user's raw
+    one and ours, in either order) send different tensors under the same keys and abort each
+    other ("Shape mismatch in the collective instance"; then "Function was cancelled"). Ours
+    start from a base of their own.
+    """
+
+    def __init__(self, devices, key_base: int):
+        self._collective_key_base = key_base  # Read by MirroredExtended's __init__.
+        super().__init__(devices)
+
+
+_MIRRORED: dict[tuple, tf.distribute.MirroredStrategy] = {}
+_KEY_BASE = 1 << 20  # Far above the keys a raw strategy hands out in one process.
+
+
+def _mirrored(devices: tuple) -> tf.distribute.MirroredStrategy:
+    # One strategy per device set and process: ours must not clash with each other either.
+    if devices not in _MIRRORED:
+        base = _KEY_BASE * (len(_MIRRORED) + 1)
+        _MIRRORED[devices] = _MirroredStrategy([tf_device_name(d) for d in devices], base)
+    return _MIRRORED[devices]
+
+
+@STRATEGIES.builder("single", "tensorflow")
+def _single(plan: Plan, layout_map):
+    return None  # The Runtime places variables on the one device (`Runtime.device_scope`).
+
+
+@STRATEGIES.builder("data_parallel", "tensorflow")
+@STRATEGIES.builder("mirrored", "tensorflow")
+def _data_parallel(plan: Plan, layout_map):
+    return _mirrored(tuple(plan.devices))
+
+
+@STRATEGIES.builder("tpu", "tensorflow")
+def _tpu(plan: Plan, layout_map):
+    return tf.distribute.TPUStrategy(connect_tpu())
+
+
+@STRATEGIES.builder("multi_worker", "tensorflow")
+def _multi_worker(plan: Plan, layout_map):
+    strategy = cluster.multi_worker()
+    if strategy is None:
+        raise RuntimeError(
+            "strategy='multi_worker' on TensorFlow needs the cluster joined first (the "
+            "Accelerator does it from TF_CONFIG); no MultiWorkerMirroredStrategy exists in "
+            "this process."
+        )
+    if strategy.num_replicas_in_sync != plan.num_replicas:
+        raise RuntimeError(
+            f"MultiWorkerMirroredStrategy has {strategy.num_replicas_in_sync} "
+            f"replicas where {plan.num_replicas} were planned ({plan.devices} per "
+            "worker): every worker must see the same devices."
+        )
+    return strategy
+
+
+@STRATEGIES.builder("model_parallel", "tensorflow")
+@STRATEGIES.builder("fsdp", "tensorflow")
+def _jax_only(plan: Plan, layout_map):
+    what = {
+        "model_parallel": "variables laid out by a LayoutMap over a (data, model) mesh "
+        "(keras.distribution.ModelParallel)",
+        "fsdp": "every variable split over the devices, gathered by the compiler where a "
+        "step needs it (keras.distribution layouts, compiled by XLA's partitioner)",
+    }.get(plan.strategy, "a keras.distribution layout")
+    raise ValueError(
+        f"strategy={plan.strategy!r} needs the JAX backend: {what}; tf.distribute has no "
+        "equivalent in Keras 3. Received: KERAS_BACKEND=tensorflow. Use KERAS_BACKEND=jax, "
+        "or strategy='data_parallel'."
+    )

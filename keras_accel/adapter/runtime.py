@@ -1,0 +1,90 @@
+"""What every backend's runtime answers: the contract between the Accelerator's core and a
+backend (`keras_accel.adapter.backends`), with the defaults of a backend that has nothing
+to do at a step.
+
+A runtime is built from a `Plan` by the backend's `build`, around the distribution object
+the strategy registry's builder made for it (`keras_accel.adapter.strategies.STRATEGIES`):
+`native` is that `keras.distribution` Distribution or `tf.distribute` strategy, None on
+one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from keras import ops
+
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.strategies import Plan
+
+
+class Runtime:
+    """One Accelerator's distribution on one backend.
+
+    Attributes:
+        plan: the `Plan` it was built from.
+        native: the backend's distribution object, or None for one device.
+        num_replicas: the data-parallel replicas (the mesh's data axis).
+        all_reduce_sum: sums tensors across replicas inside a replica's step (what
+            BatchNormalization's moments need), or None where the program already sees
+            the global batch (JAX's global view, one device).
+    """
+
+    all_reduce_sum = None
+
+    def __init__(self, plan: Plan, native=None):
+        self.plan = plan
+        self.native = native
+        self.num_replicas = plan.num_replicas
+
+    def device_scope(self):
+        """The context that puts new variables on the plan's one device (`native` None)."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Where models, optimizers and metrics are made: the strategy's scope, or the one
+        device."""
+        scope = self.device_scope() if self.native is None else self.native.scope()
+        with scope:
+            yield
+
+    def model_misplaced(self, model) -> str | None:
+        """Why `model` would not run under this runtime (None: it would)."""
+        return None
+
+    def variable_misplaced(self, variable) -> str | None:
+        """Why `variable` was not made under this runtime (None: it was)."""
+        return None
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        """What this backend changes on `model` for one call, recorded in `patches`."""
+
+    def install_outer(self, patches: Patches, model) -> None:
+        """What must wrap the core's step wrappers (JAX: outputs gathered across
+        processes)."""
+
+    def callbacks(self) -> list:
+        """Callbacks each Keras call runs beside the user's."""
+        return []
+
+    def make_function(self, model, kind: str):
+        """The step function for `kind` where Keras's cannot run here; None: Keras's."""
+        return None
+
+    def reads_steps_per_execution(self, model, kind: str) -> bool:
+        """Whether `kind`'s step function reads N > 1 at each call, so that one compiled
+        function serves every N > 1 (False: N is compiled in)."""
+        return False
+
+    def row_count(self, row_mask):
+        """A batch's real rows, the weight of its loss in the epoch's average."""
+        return ops.sum(row_mask)
+
+    def own_files(self, batches):
+        """This process's own files of a file-backed pipeline, or None (read it all)."""
+        return None
+
+    def wrap(self, batches, carry_mask: bool = True, preprocess=None):
+        """What `model.fit` takes for the feeder's `batches`."""
+        raise NotImplementedError(f"{type(self).__name__}.wrap")

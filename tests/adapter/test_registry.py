@@ -1,0 +1,119 @@
+"""The strategy registry: one entry per name, a builder per backend, and a user's own entry
+trained through the Accelerator like a built-in one."""
+
+import keras
+import pytest
+
+from keras_accel import STRATEGIES, Accelerator
+from keras_accel.adapter.strategies import BUILT_IN, StrategyRegistry, resolve
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, weights_of
+
+CPUS = {"cpu": [f"cpu:{i}" for i in range(8)]}
+
+
+@pytest.fixture
+def registry():
+    registry = StrategyRegistry()
+    registry.register("single", "one device")
+    registry.register("pair", "a (data, model) mesh", mesh="data_model")
+    return registry
+
+
+def test_the_registry_maps_names_to_descriptions():
+    assert STRATEGIES["single"] == "one device, no distribution"
+    assert list(STRATEGIES)[:2] == ["auto", "single"] and len(STRATEGIES) == len(BUILT_IN)
+    assert STRATEGIES.entry("tpu").platform == "tpu"
+    assert STRATEGIES.entry("model_parallel").mesh == "data_model"
+
+
+def test_each_backend_registers_a_builder_for_every_name_but_auto(backend):
+    Accelerator(strategy="single")  # Loads this backend's module, which registers its own.
+    missing = [n for n in BUILT_IN if n != "auto" and backend not in STRATEGIES.entry(n).builders]
+    assert not missing
+    assert not STRATEGIES.entry("auto").builders  # "auto" resolves to another name first.
+
+
+def test_register_refuses_bad_entries(registry):
+    with pytest.raises(ValueError, match="already registered .one device.*override=True"):
+        registry.register("single", "again")
+    assert registry.register("single", "again", override=True).description == "again"
+    with pytest.raises(ValueError, match="must be an identifier.*Received: name='my strategy'"):
+        registry.register("my strategy", "spaces")
+    with pytest.raises(ValueError, match=r"mesh.*\('data', 'data_model'\).*mesh='2d'"):
+        registry.register("grid", "a grid", mesh="2d")
+    with pytest.raises(TypeError, match="must be callable.*Received: 3 for jax='single'"):
+        registry.builder("single", "jax")(3)
+    with pytest.raises(ValueError, match="Received: strategy='singel'. Valid names: 'single', "):
+        registry.builder("singel", "jax")
+
+
+def test_build_names_what_is_missing(registry):
+    plan = resolve("single", CPUS)
+    with pytest.raises(ValueError, match="'single' has no builder for KERAS_BACKEND=jax.*none"):
+        registry.build(plan, "jax")
+    registry.builder("single", "tensorflow")(lambda plan, layout_map: "built")
+    assert registry.build(plan, "tensorflow") == "built"
+    with pytest.raises(ValueError, match=r"builds on: tensorflow.*builder\('single', 'jax'\)"):
+        registry.build(plan, "jax")
+    with pytest.raises(ValueError, match=r"\(data, model\) mesh \('pair'\). Received: strateg"):
+        registry.build(plan, "tensorflow", layout_map=object())
+
+
+def test_built_in_names_stay():
+    with pytest.raises(ValueError, match="'single' is built in"):
+        STRATEGIES.unregister("single")
+    with pytest.raises(ValueError, match="Received: strategy='nope'"):
+        STRATEGIES.unregister("nope")
+
+
+def test_a_registered_mesh_shape_and_platform_drive_the_plan():
+    STRATEGIES.register("grid", "a (data, model) mesh", mesh="data_model")
+    STRATEGIES.register("on_gpus", "GPUs only", platform="gpu")
+    try:
+        assert resolve("grid", CPUS, mesh_shape=(4, 2)).mesh_shape == (4, 2)
+        with pytest.raises(RuntimeError, match="strategy='on_gpus' but no GPU was found"):
+            resolve("on_gpus", CPUS)
+    finally:
+        STRATEGIES.unregister("grid")
+        STRATEGIES.unregister("on_gpus")
+
+
+def _native_data_parallel(plan, layout_map):
+    """A user's builder: the backend's own data-parallel object over the plan's devices."""
+    if keras.backend.backend() == "jax":
+        return keras.distribution.DataParallel(devices=list(plan.devices))
+    import tensorflow as tf
+
+    names = [f"/device:CPU:{d.split(':')[1]}" for d in plan.devices]
+    # Reduced through one device, not by collectives: two raw MirroredStrategies with
+    # collectives over the same devices share TensorFlow's collective keys and abort each
+    # other's all-reduces (tests/adapter/test_coexistence.py makes another one).
+    return tf.distribute.MirroredStrategy(names, tf.distribute.ReductionToOneDevice())
+
+
+def test_a_user_strategy_builds_and_trains_as_the_built_in_one(backend):
+    built = []
+
+    def build(plan, layout_map):
+        built.append(plan)
+        return _native_data_parallel(plan, layout_map)
+
+    STRATEGIES.register("users_data_parallel", "a user's data parallelism", **{backend: build})
+    try:
+        x, y = data(37)
+        runs = {}
+        for name in ("users_data_parallel", "data_parallel"):
+            acc = Accelerator(strategy=name, devices=FEW_REPLICAS, seed=0)
+            with acc.scope():
+                model = compiled_mlp()
+            history = acc.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            runs[name] = (acc, history.history["loss"], weights_of(model))
+        acc = runs["users_data_parallel"][0]
+        assert [p.devices for p in built] == [tuple(f"cpu:{i}" for i in range(FEW_REPLICAS))]
+        assert acc.strategy_name == "users_data_parallel"
+        assert acc.distribution is not runs["data_parallel"][0].distribution
+        assert acc.num_replicas == FEW_REPLICAS
+        assert runs["users_data_parallel"][1] == pytest.approx(runs["data_parallel"][1], 1e-5)
+        assert_weights_close(runs["users_data_parallel"][2], runs["data_parallel"][2])
+    finally:
+        STRATEGIES.unregister("users_data_parallel")
