@@ -31,6 +31,7 @@ DOCSTRING_MODULES = [
     "keras_accel",
     "keras_accel.adapter.accelerator",
     "keras_accel.adapter.strategies",
+    "keras_accel.adapter.sharding",
     "keras_accel.data.cifar10",
     "keras_accel.data.text",
     "keras_accel.loop",
