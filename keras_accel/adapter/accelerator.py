@@ -224,6 +224,12 @@ class Accelerator:
         return self._sync_batchnorm
 
     @property
+    def dtype_policy(self) -> str | None:
+        """The Keras dtype policy `scope()` sets ("mixed_float16", "mixed_bfloat16",
+        "float32"), or None where `mixed_precision` was not given (Keras's own applies)."""
+        return self._policy
+
+    @property
     def num_recompiles(self) -> int:
         """New compilations (step traces) after warm-up; 0 is what static batching promises."""
         return self.guard.num_recompiles
@@ -330,7 +336,7 @@ class Accelerator:
 
         batches = make(self.remainder or "pad")
         builtin = not overrides(model, "train")
-        if builtin and not batches.has_targets and getattr(model, "_compile_loss", None):
+        if builtin and not batches.has_targets and keras_internals.compile_loss(model):
             raise ValueError(
                 f"{type(model).__name__} was compiled with a loss, which needs targets, but "
                 "fit got none. Received: y=None. Pass y (or a data set that yields (x, y)), "
@@ -420,7 +426,7 @@ class Accelerator:
         calls install lasts exactly as long as they run."""
         if not isinstance(model, keras.Model):
             raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
-        keras_internals.check()
+        keras_internals.check_model(model)
         runtime = self._runtime
         if runtime.native is None:
             return model
@@ -812,13 +818,7 @@ def _variables_by_stage(model):
 def _compiled_metric_objects(model) -> list:
     """The Metric objects given to `compile(metrics=..., weighted_metrics=...)`, which Keras
     keeps as they are (their variables exist before the first step)."""
-    compiled = getattr(model, "_compile_metrics", None)
-    if compiled is None:
-        return []
-    given = [
-        keras_internals.require(compiled, name, "the compiled metrics")
-        for name in ("_user_metrics", "_user_weighted_metrics")
-    ]
+    given = keras_internals.compiled_metric_arguments(model)
     return [m for m in keras.tree.flatten(given) if isinstance(m, keras.metrics.Metric)]
 
 
@@ -827,7 +827,7 @@ def _bind_schedule(model, epochs: int, steps_per_epoch: int | None, patches, pla
     (`WarmupCosine(warmup_fraction=...)`) gets this fit's, for this fit."""
     optimizer = getattr(model, "optimizer", None)
     inner = inner_optimizer(optimizer)
-    schedule = getattr(inner, "_learning_rate", None)
+    schedule = None if inner is None else keras_internals.learning_rate_of(inner)
     if getattr(schedule, "needs_total_steps", False):
         if steps_per_epoch is None:
             raise ValueError(
@@ -839,7 +839,7 @@ def _bind_schedule(model, epochs: int, steps_per_epoch: int | None, patches, pla
         bound = schedule.with_total_steps(
             int(epochs) * steps_per_epoch, steps_per_epoch=steps_per_epoch
         )
-        patches.set(inner, "_learning_rate", bound)
+        keras_internals.patch_learning_rate_of(patches, inner, bound)
 
 
 class _EpochSync(keras.callbacks.Callback):

@@ -41,7 +41,7 @@ from keras_accel.utils import keras_internals
 
 def _weighted_moments(layer, inputs, mask, all_reduce_sum: Callable | None):
     row_mask = ROW_MASK.get()
-    axes = keras_internals.require(layer, "_reduction_axes", "BatchNormalization's axes")
+    axes = keras_internals.batchnorm_reduction_axes(layer)
     if row_mask is None:
         weights = ops.ones_like(inputs[..., :1])
     else:
@@ -82,10 +82,10 @@ def install_batchnorm(
         The number of layers given our moments.
     """
     count = 0
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in keras_internals.flatten_layers(model, include_self=False):
         if not isinstance(layer, layers.BatchNormalization):
             continue
-        original = keras_internals.require(layer, "_moments", "BatchNormalization's moments")
+        original = keras_internals.batchnorm_moments(layer)
         reduce = all_reduce_sum if synchronized or getattr(layer, "synchronized", False) else None
 
         def moments(self, inputs, mask, _original=original, _reduce=reduce):
@@ -93,6 +93,6 @@ def install_batchnorm(
                 return _original(inputs, mask)
             return _weighted_moments(self, inputs, mask, _reduce)
 
-        patches.set(layer, "_moments", types.MethodType(moments, layer))
+        keras_internals.replace_batchnorm_moments(patches, layer, types.MethodType(moments, layer))
         count += 1
     return count

@@ -37,11 +37,8 @@ def inexact_under_padding(model, sample) -> list[str]:
     """
     losses = [(path, fn) for path, fn in _leaves(getattr(model, "loss", None)) if _user(fn)]
     metrics = []
-    compiled = getattr(model, "_compile_metrics", None)
-    if compiled is not None:
-        for name in ("_user_metrics", "_user_weighted_metrics"):
-            given = keras_internals.require(compiled, name, "the compiled metrics")
-            metrics += [(path, m) for path, m in _leaves(given) if _user(m)]
+    for given in keras_internals.compiled_metric_arguments(model):
+        metrics += [(path, m) for path, m in _leaves(given) if _user(m)]
     if not losses and not metrics:
         return []
     x, y, _, mask = sample
@@ -89,7 +86,7 @@ def _user(obj) -> bool:
     """Code that is not Keras's own (whose losses and metrics all honour sample_weight)."""
     if obj is None or isinstance(obj, str):
         return False
-    inner = getattr(obj, "fn", None) or getattr(obj, "_fn", None)  # Keras's wrappers
+    inner = keras_internals.wrapped_function(obj)
     if isinstance(obj, (keras.losses.Loss, keras.metrics.Metric)) and _is_keras(type(obj)):
         return inner is not None and not _is_keras(inner)
     return not _is_keras(obj)
@@ -113,8 +110,8 @@ def _pair(path, y, y_pred):
 
 def _returns_scalar(loss, y_true, y_pred) -> bool:
     if isinstance(loss, keras.losses.Loss):
-        inner = getattr(loss, "fn", None)
-        kwargs = getattr(loss, "_fn_kwargs", None) or {}
+        inner = keras_internals.wrapped_function(loss)
+        kwargs = keras_internals.wrapped_kwargs(loss)
         values = inner(y_true, y_pred, **kwargs) if inner is not None else loss.call(y_true, y_pred)
     else:
         values = loss(y_true, y_pred)

@@ -125,10 +125,10 @@ def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -
 def user_stacklevel() -> int:
     """The `stacklevel` of the first caller outside keras_accel (the user's line), from the
     function that calls `warnings.warn`."""
-    import sys
+    import inspect
 
     package = __name__.split(".")[0]
-    frame, level = sys._getframe(1), 1
+    frame, level = inspect.currentframe().f_back, 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
         frame, level = frame.f_back, level + 1
     return level

@@ -50,8 +50,8 @@ class FunctionCache:
             kind,
             contract,
             getattr(model, "optimizer", None),
-            getattr(model, "_compile_loss", None),
-            getattr(model, "_compile_metrics", None),
+            keras_internals.compile_loss(model),
+            keras_internals.compile_metrics(model),
             n,
             _rate_key(getattr(model, "optimizer", None)),
             getattr(model, "jit_compile", None),
@@ -70,7 +70,9 @@ def _rate_key(optimizer):
     """What the optimizer's learning rate is, as a compiled step reads it: the step closes
     over a schedule object (ours may swap one in for a call), or reads a variable, which is
     part of the optimizer's state (LearningRateScheduler may have added one)."""
-    rate = getattr(inner_optimizer(optimizer), "_learning_rate", None)
+    rate = (
+        None if optimizer is None else keras_internals.learning_rate_of(inner_optimizer(optimizer))
+    )
     if rate is None or isinstance(rate, keras.Variable):
         return id(rate)
     try:  # Two schedules of one class and config compute the same rates.
@@ -164,7 +166,7 @@ class Session:
         )
         runtime.install_outer(patches, model)  # What must wrap our step wrappers.
         install_metric_masks(patches, model)
-        if getattr(model, "_loss_tracker", None) is not None:
+        if keras_internals.loss_tracker(model) is not None:
             install_loss_trackers(patches, model)
         install_batchnorm(patches, model, runtime.all_reduce_sum, self.sync_batchnorm)
         if self.patch is not None:

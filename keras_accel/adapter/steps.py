@@ -180,18 +180,15 @@ def install_metric_masks(patches: Patches, model) -> None:
     """Make the compiled `metrics=` (which Keras updates without sample weights) skip padding
     rows: they get the row mask as their weight. `weighted_metrics=` see the padded batch's
     sample weights already, whose padding rows are 0."""
-    compiled = getattr(model, "_compile_metrics", None)
+    compiled = keras_internals.compile_metrics(model)
     if compiled is None:
         return
 
     def install():
-        flat = keras_internals.require(compiled, "_flat_metrics", "the unweighted metrics")
+        flat, weighted = keras_internals.built_compiled_metrics(compiled)
         for metric in flat:
             if metric is not None:
                 patches.set(metric, "update_state", _masked_update(metric.update_state))
-        weighted = keras_internals.require(
-            compiled, "_flat_weighted_metrics", "the weighted metrics"
-        )
         for metric in weighted:
             if metric is not None:
                 patches.set(metric, "update_state", _unscaled_update(metric.update_state))
@@ -256,10 +253,7 @@ def install_global_results(patches: Patches, model, global_result: Callable) -> 
                 patches.set(metric, "result", _global_result(metric, global_result))
 
     install(model.metrics)
-    for container in (
-        getattr(model, "_compile_metrics", None),
-        getattr(model, "_compile_loss", None),
-    ):
+    for container in (keras_internals.compile_metrics(model), keras_internals.compile_loss(model)):
         if container is not None:
             _after_build(patches, container, lambda c=container: install(c.metrics))
 
@@ -290,9 +284,9 @@ def install_loss_trackers(patches: Patches, model) -> None:
     """In a padded step, weight each batch's loss in the epoch (or evaluation) average by
     its real row count, as plain Keras does (Keras weights by the batch's row count, which
     here is the static size, padding included)."""
-    tracker = keras_internals.require(model, "_loss_tracker", "the loss tracker")
+    tracker = keras_internals.loss_tracker(model)
     patches.set(tracker, "update_state", _row_weighted_update(tracker.update_state))
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = keras_internals.compile_loss(model)
     if compile_loss is None:
         return
 

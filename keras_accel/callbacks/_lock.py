@@ -19,6 +19,7 @@ import warnings
 import weakref
 
 from keras_accel.state import files
+from keras_accel.utils import keras_internals
 
 LOCK_NAME = ".lock"
 
@@ -89,7 +90,7 @@ class DirectoryLock:
                 other is not None
                 and other is not self._owner()
                 and getattr(other, "_training", False)
-                and getattr(other, "_model", None) is not owner_model
+                and keras_internals.callback_model(other) is not owner_model
             )
         if same_host and isinstance(pid, int):
             return not _pid_alive(pid)

@@ -250,6 +250,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._sets_initial_epoch = False  # A restore set `model._initial_epoch` for Keras.
 
     # ------------------------------------------------------------------ hooks
+    def set_model(self, model):
+        # The Keras internals read on the model and its optimizer: checked before any step.
+        keras_internals.check_model(model)
+        super().set_model(model)
+
     def on_train_begin(self, logs=None):
         model = self.model
         if not model.built:
@@ -294,7 +299,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Keras read the epoch to start at before the first epoch began: nothing needs
             # it now, and a later fit would skip epochs (a fit that raises never gets to
             # `on_train_end`, where it is cleared too).
-            self._model._initial_epoch = None
+            keras_internals.set_initial_epoch(self._model, None)
             self._sets_initial_epoch = False
 
     def _fusion_period(self, kind: str, steps: int | None) -> int | None:
@@ -378,7 +383,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._stop_watch()
         model = self._model
         # Keras never clears the epoch a restore set: a later fit would skip epochs.
-        model._initial_epoch = None
+        keras_internals.set_initial_epoch(model, None)
         self._sets_initial_epoch = False
         state = run_state(model)
         state.resumed_at = None
@@ -659,7 +664,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         history = getattr(model, "history", None)
         if meta.get("history") and hasattr(history, "load_dict"):
             history.load_dict(meta["history"])
-        model._initial_epoch = epoch
+        keras_internals.set_initial_epoch(model, epoch)
         self._sets_initial_epoch = True
         run = run_state(model)
         run.resumed_at = (epoch, batch)
@@ -718,7 +723,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         model = self._model
         steps = (self.params or {}).get("steps")
-        model._initial_epoch = epoch
+        keras_internals.set_initial_epoch(model, epoch)
         self._sets_initial_epoch = True
         run = run_state(model)
         run.resumed_at = (epoch, 0)

@@ -93,13 +93,23 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             )
         self.max_to_keep = max_to_keep
         self._kept: list[str] | None = None
+        self._epoch: int | None = None  # Kept here: Keras's own (`_current_epoch`) is private.
 
     def _fusion_period(self, kind: str, steps: int | None) -> int | None:
         """Host-loop fusion: Keras counts `save_freq=N` in batch hooks, one per call."""
         return None if kind != "train" or self.save_freq == "epoch" else 1
 
+    def set_model(self, model):
+        # The Keras internals read on the model and its optimizer: checked before any step.
+        keras_internals.check_model(model)
+        super().set_model(model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        super().on_epoch_begin(epoch, logs)
+
     def on_train_batch_end(self, batch, logs=None):
-        if run_state(self._model).replaying(getattr(self, "_current_epoch", None), batch):
+        if run_state(self._model).replaying(self._epoch, batch):
             return
         super().on_train_batch_end(batch, logs)
 

@@ -169,6 +169,11 @@ class History(keras.callbacks.History):
         self._rebuild()
 
     # ------------------------------------------------------------------ hooks
+    def set_model(self, model):
+        # The Keras internals read on the model and its optimizer: checked before any step.
+        keras_internals.check_model(model)
+        super().set_model(model)
+
     def on_train_begin(self, logs=None):
         self._first_epoch_seen = False
         self.steps_per_execution = int(getattr(self._model, "steps_per_execution", 1) or 1)
@@ -357,7 +362,9 @@ def _ensure_parent(path: str) -> None:
 
 def _samples_seen(model) -> float | None:
     """Rows the compiled loss saw this epoch: Keras weights its loss tracker by batch rows."""
-    tracker = getattr(model, "_loss_tracker", None)
+    if model is None:
+        return None  # A record written without a fit (`finish_epoch` called directly).
+    tracker = keras_internals.loss_tracker(model)
     count = getattr(tracker, "count", None)
     if count is None:
         return None

@@ -134,9 +134,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
             bound = self._bind({"epochs": epochs, "steps": steps})
             # A float-built optimizer's rate variable ends at the last rate (`on_train_end`),
             # as a step-by-step run leaves it; a schedule-built one gets its schedule back.
-            current = inner_optimizer(model.optimizer)._learning_rate
+            current = keras_internals.learning_rate_of(inner_optimizer(model.optimizer))
             self._variable = current if isinstance(current, keras.Variable) else None
-            patches.set(inner_optimizer(model.optimizer), "_learning_rate", bound)
+            keras_internals.patch_learning_rate_of(patches, inner_optimizer(model.optimizer), bound)
             patches.set(self, "_in_step", bound)
             return
         _, give_back = rate_variable(model)
@@ -145,6 +145,8 @@ class LearningRateScheduler(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
+        # The Keras internals read on the model and its optimizer: checked before any step.
+        keras_internals.check_model(model)
         super().set_model(model)
         # fit calls this before it builds its train function, which then includes the
         # rate variable; a function built earlier around a schedule is dropped.
@@ -323,7 +325,7 @@ def optimizer_rate(optimizer, step: int | None = None) -> float:
     from its iteration count): its variable's value, its schedule at that step, what a
     callable rate returns, or its float. A LossScaleOptimizer's is the one it wraps."""
     optimizer = inner_optimizer(optimizer)
-    rate = optimizer._learning_rate
+    rate = keras_internals.learning_rate_of(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         rate = rate(host_step(optimizer.iterations) if step is None else step)
     elif callable(rate) and not isinstance(rate, keras.Variable):
@@ -405,11 +407,12 @@ def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
     (the caller does): `tf.function` would keep reading the schedule it captured.
     """
     optimizer = inner_optimizer(model.optimizer)
-    current = optimizer._learning_rate
+    current = keras_internals.learning_rate_of(optimizer)
     if isinstance(current, keras.Variable):
         return current, None
     initial = optimizer_rate(optimizer)
-    where = (_strategy(model), _layout(optimizer.iterations))
+    iterations = keras_internals.iteration_variable(optimizer)
+    where = (_strategy(model), keras_internals.variable_layout(iterations))
     made = _MADE.get(optimizer)
     if made is not None and all(a is b for a, b in zip(made[1], where)):
         variable = made[0]
@@ -423,28 +426,26 @@ def rate_variable(model) -> tuple[Any, Callable[[], None] | None]:
                 trainable=False,
                 aggregation="only_first_replica",
             )
-        _place_like(variable, optimizer.iterations)
+        _place_like(variable, iterations)
         _MADE[optimizer] = (variable, where)
-    optimizer._learning_rate = variable  # Keras's attribute tracking adds it to `variables`.
+    # Keras's attribute tracking adds it to `variables`.
+    keras_internals.set_learning_rate_of(optimizer, variable)
     # Exactly once, right after the iteration count: where an optimizer built with a float
     # rate has it, so weights saved now load into an optimizer rebuilt from its config.
-    others = [v for v in optimizer._variables if v is not variable]
-    position = next((i + 1 for i, v in enumerate(others) if v is optimizer._iterations), 0)
+    variables = keras_internals.optimizer_variables(optimizer)
+    others = [v for v in variables if v is not variable]
+    position = next((i + 1 for i, v in enumerate(others) if v is iterations), 0)
     others.insert(position, variable)
-    optimizer._variables[:] = others
+    variables[:] = others
 
     def give_back() -> None:
-        if optimizer._learning_rate is variable:
+        if keras_internals.learning_rate_of(optimizer) is variable:
             # Keras's own setter: a schedule replaces the variable, which it untracks.
             optimizer.learning_rate = current
-        optimizer._variables[:] = [v for v in optimizer._variables if v is not variable]
+        variables = keras_internals.optimizer_variables(optimizer)
+        variables[:] = [v for v in variables if v is not variable]
 
     return variable, give_back
-
-
-def _layout(variable):
-    """A JAX variable's layout over the mesh (None elsewhere)."""
-    return getattr(variable, "_layout", None)
 
 
 def _strategy(model):
@@ -467,7 +468,7 @@ def _place_like(variable, reference) -> None:
     mesh) when it was created outside the distribution's scope."""
     if keras.backend.backend() != "jax":
         return
-    layout = _layout(reference)
-    if layout is not None and _layout(variable) is None:
-        variable._layout = layout
+    layout = keras_internals.variable_layout(reference)
+    if layout is not None and keras_internals.variable_layout(variable) is None:
+        keras_internals.set_variable_layout(variable, layout)
         variable.assign(variable.value)

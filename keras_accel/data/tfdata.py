@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_accel.data.batching import StreamPlan, pack, static_batch_size
 from keras_accel.data.sources import ArrayBatches, standardize_element
+from keras_accel.utils import keras_internals
 
 Preprocess = Callable | None
 
@@ -449,18 +450,17 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
     size = _graph_batch_size(batches.source)
     if size is None or size % num_processes or plan.static_rows % num_processes:
         return None
+    auto_shard_dataset = keras_internals.tf_auto_shard_dataset()
     try:
-        from tensorflow.python.data.experimental.ops import distribute
-
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.FILE
         )
         local = batches.source.rebatch(size // num_processes).with_options(options)
-        shard = distribute._AutoShardDataset(
+        shard = auto_shard_dataset(
             local, num_workers=num_processes, index=index, num_replicas=num_processes
         )
-    except (ImportError, AttributeError, ValueError, tf.errors.OpError):
+    except (ValueError, tf.errors.OpError):
         return None  # Not FILE-shardable here: no reader op found in the graph.
     local_plan = StreamPlan(
         batch_size=size // num_processes,

@@ -61,6 +61,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_accel.utils import keras_internals
 from keras_accel.utils.optimizers import inner_optimizer
 
 __all__ = ["CustomLoop", "StepGroup"]
@@ -418,7 +419,7 @@ class CustomLoop:
     @property
     def initial_epoch(self) -> int:
         """Where training resumes: the epoch a `BackupAndRestore` restored, else 0."""
-        return int(getattr(self.model, "_initial_epoch", None) or 0)
+        return int(keras_internals.initial_epoch(self.model) or 0)
 
 
 class _ScopedCallbacks(keras.callbacks.CallbackList):
@@ -472,7 +473,7 @@ def _optimizer(model, optimizer, accelerator):
         )
     optimizer = keras.optimizers.get(optimizer)
     policy = keras.config.dtype_policy()
-    float16 = "mixed_float16" in (getattr(accelerator, "_policy", None), policy.name)
+    float16 = "mixed_float16" in (accelerator.dtype_policy, policy.name)
     if float16 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # float16 gradients underflow without loss scaling; bfloat16 needs none.
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
@@ -502,14 +503,8 @@ _BY_TARGETS = ("accuracy", "acc")
 
 def _compiled_metrics(model) -> tuple[list, list]:
     """The `metrics=` and `weighted_metrics=` the model was compiled with, as flat lists."""
-    compiled = getattr(model, "_compile_metrics", None)
-    if compiled is None:
-        return [], []
-    from keras_accel.utils import keras_internals
-
     found = []
-    for name in ("_user_metrics", "_user_weighted_metrics"):
-        given = keras_internals.require(compiled, name, "the metrics a model was compiled with")
+    for given in keras_internals.compiled_metric_arguments(model):
         if given is None:
             given = []
         if isinstance(given, dict) or any(isinstance(m, (list, tuple, dict)) for m in given):

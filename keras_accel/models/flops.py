@@ -10,6 +10,8 @@ import math
 
 import keras
 
+from keras_accel.utils import keras_internals
+
 # Training = forward + backward, and the backward pass of a matmul or convolution costs two of
 # them (gradient with respect to the input, and with respect to the weights): ~3x forward.
 TRAINING_MULTIPLIER = 3
@@ -27,7 +29,7 @@ def _leaf_layers(model: keras.Model):
 def _static_shape(layer: keras.layers.Layer, which: str) -> tuple:
     # `layer.input` silently answers with the first call of a shared layer, which would
     # count it once; refuse instead of under-counting.
-    calls = len(getattr(layer, "_inbound_nodes", ()) or ())
+    calls = len(keras_internals.inbound_nodes(layer))
     if calls > 1:
         raise ValueError(
             f"Cannot count FLOPs of layer {layer.name!r}: it is called {calls} times (a shared "

@@ -1,11 +1,14 @@
 """Every Keras internal keras_accel touches, listed in one place and checked once.
 
 keras_accel uses Keras's public API wherever Keras has one. Where it has no public extension
-point, the private names below are what keras_accel relies on; `check()` verifies all of them
-against the installed Keras (`Accelerator.prepare` calls it, and keras_accel's callbacks may:
-it runs once per process), so that a Keras release that renames one fails loudly, naming the
-Keras version and the name, instead of quietly doing nothing. Code elsewhere reads these
-names through this module only.
+point, the private names below are what keras_accel relies on; `check()` verifies the
+module-level and class-level ones against the installed Keras, once per process, and
+`check_model(model)` the instance attributes on a model and its optimizer, once per class
+(`Accelerator.prepare` calls both; keras_accel's callbacks call `check()` when made and
+`check_model()` at `set_model`, so a plain `model.fit` is covered too). A Keras release that
+renames one fails loudly, naming the Keras version and the name, instead of quietly doing
+nothing. Code elsewhere reads these names through the accessors below only
+(tests/utils/test_keras_internals_only.py reads the package's source to hold it to that).
 
 Each internal is found by *what it is*, not by a module path Keras may reorganise: an
 attribute of a public class (`keras.Model._symbolic_build`; `keras.Model`'s MRO holds the
@@ -28,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+
+from keras_accel.utils.optimizers import inner_optimizer
 
 # The Keras minor versions the suite passed on (pyproject.toml's range admits these only; 3.16
 # as keras-nightly 3.16.0.dev2026102704).
@@ -207,12 +212,25 @@ REQUIRED: list[Internal] = [
         ),
     ),
 ]
-# Instance attributes read through `require` where they are used: `model._compile_metrics`
-# (`_flat_metrics`, `_flat_weighted_metrics`), `model._compile_loss`, `model._loss_tracker`,
-# `model._distribute_strategy` (TF), `BatchNormalization._reduction_axes`; and, in
-# keras_accel.callbacks, `optimizer._learning_rate`, `_variables`, `_iterations`,
-# `variable._layout` (JAX), `model._initial_epoch`, `ModelCheckpoint._current_epoch`, and
-# Keras's BackupAndRestore file names.
+# Instance attributes, which no class holds: Keras sets them in `__init__` (the model's in
+# `Trainer.__init__`, the optimizer's in `BaseOptimizer.__init__`, a variable's in
+# `KerasVariable.__init__`, a layer's graph nodes in `Operation.__init__`), so they are checked
+# on the objects themselves: `check_model(model)` (each of keras_accel's callbacks at
+# `set_model`, and `Accelerator.prepare`) checks these once per class, and each accessor below
+# reads its own through `require`, which fails the same way at the call.
+MODEL_ATTRIBUTES = {
+    "_compile_loss": "the compiled loss",
+    "_compile_metrics": "the compiled metrics",
+    "_loss_tracker": "the loss tracker",
+    "_initial_epoch": "where a restored fit starts",
+    "_inbound_nodes": "a layer's calls",
+}
+OPTIMIZER_ATTRIBUTES = {
+    "_learning_rate": "the optimizer's learning rate as it holds it",
+    "_variables": "the optimizer's variable list",
+    "_iterations": "the optimizer's iteration count",
+}
+VARIABLE_ATTRIBUTES = {"_layout": "a variable's layout over the device mesh"}
 # Only where TensorFlow is the backend (checked by `check()` then).
 REQUIRED_TENSORFLOW: list[Internal] = [
     Internal(
@@ -258,10 +276,17 @@ class KerasInternalsError(RuntimeError):
     """A Keras internal that keras_accel relies on is missing from the installed Keras."""
 
 
-def _error(where: str, name: str, why: str) -> KerasInternalsError:
+def _error(where: str, name: str, why: str, library: str = "Keras") -> KerasInternalsError:
+    """The error for a missing internal; `library="TensorFlow"` for TensorFlow's own."""
+    if library == "TensorFlow":
+        import tensorflow as tf
+
+        version = f"TensorFlow {tf.__version__} (with Keras {keras.__version__})"
+    else:
+        version = f"Keras {keras.__version__}"
     return KerasInternalsError(
-        f"keras_accel relies on the Keras internal `{name}` of {where} ({why}), which Keras "
-        f"{keras.__version__} does not have. keras_accel is tested with Keras "
+        f"keras_accel relies on the {library} internal `{name}` of {where} ({why}), which "
+        f"{version} does not have. keras_accel is tested with Keras "
         f"{TESTED_KERAS}: install the pinned versions with `pip install -c constraints.txt -e"
         f' ".[all]"`, or report this Keras version to keras_accel.'
     )
@@ -317,8 +342,8 @@ def keras_home() -> str:
 def needs_symbolic_build(model) -> bool:
     """Whether Keras would still build some of the model's state (layers, compiled metrics
     or losses) from the first batch."""
-    compiled_metrics = getattr(model, "_compile_metrics", None)
-    compiled_loss = getattr(model, "_compile_loss", None)
+    compiled_metrics = compile_metrics(model)
+    compiled_loss = compile_loss(model)
     return (
         not all(layer.built for layer in flatten_layers(model, include_self=False))
         or not model.built
@@ -427,3 +452,234 @@ def global_seed_generator():
     before anything created it."""
     global_state = _holder("set_global_attribute")
     return global_state.get_global_attribute(_holder("GLOBAL_SEED_GENERATOR").GLOBAL_SEED_GENERATOR)
+
+
+# ---------------------------------------------------------------- instance attributes
+# Each accessor below was checked against Keras 3.15 and 3.16 (`TESTED_KERAS`): it reads the
+# attribute through `require`, so a Keras without it fails here, naming the version, never
+# with a silent default. Where None is returned, it is Keras's own value for "not yet".
+
+_CHECKED_CLASSES: set = set()
+
+
+def check_model(model) -> None:
+    """Verify the instance attributes keras_accel reads on `model`, its optimizer and the
+    optimizer's iteration count (`MODEL_ATTRIBUTES`, `OPTIMIZER_ATTRIBUTES`,
+    `VARIABLE_ATTRIBUTES`), once per class; raise `KerasInternalsError` naming the first one
+    missing and the Keras version. Runs `check()` too.
+
+    keras_accel's callbacks call it at `set_model`, so that a plain `model.fit` with them on
+    an untested Keras fails before its first step, not at the epoch that first reads one.
+    """
+    check()
+    if model is None:
+        return  # A callback list built without a model: nothing to check on it yet.
+
+    checks = [(model, MODEL_ATTRIBUTES)]
+    optimizer = inner_optimizer(getattr(model, "optimizer", None))
+    # No optimizer yet (an uncompiled model), or one that is not Keras's: nothing to check.
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        checks.append((optimizer, OPTIMIZER_ATTRIBUTES))
+        checks.append((iteration_variable(optimizer), VARIABLE_ATTRIBUTES))
+    for obj, names in checks:
+        if type(obj) not in _CHECKED_CLASSES:
+            for name, why in names.items():
+                require(obj, name, why)
+            _CHECKED_CLASSES.add(type(obj))
+
+
+def compile_loss(model):
+    """The model's `CompileLoss` (`model._compile_loss`): None until it is compiled with a
+    loss."""
+    return require(model, "_compile_loss", MODEL_ATTRIBUTES["_compile_loss"])
+
+
+def compile_metrics(model):
+    """The model's `CompileMetrics` (`model._compile_metrics`): None until it is compiled
+    with metrics."""
+    return require(model, "_compile_metrics", MODEL_ATTRIBUTES["_compile_metrics"])
+
+
+def compiled_metric_arguments(model) -> tuple:
+    """`(metrics, weighted_metrics)` as given to `model.compile` (Keras keeps the objects
+    as they are), each None where none was given; `(None, None)` for a model compiled
+    without metrics."""
+    compiled = compile_metrics(model)
+    if compiled is None:
+        return None, None
+    why = "the metrics a model was compiled with"
+    return require(compiled, "_user_metrics", why), require(compiled, "_user_weighted_metrics", why)
+
+
+def built_compiled_metrics(compiled) -> tuple[list, list]:
+    """`(metrics, weighted_metrics)` of a built `CompileMetrics`, one flat list each, as
+    Keras updates them (`_flat_metrics`, `_flat_weighted_metrics`; None for an output
+    without)."""
+    return (
+        require(compiled, "_flat_metrics", "the unweighted metrics"),
+        require(compiled, "_flat_weighted_metrics", "the weighted metrics"),
+    )
+
+
+def loss_tracker(model):
+    """The `Mean` the model averages its loss in (`model._loss_tracker`): None until it is
+    compiled."""
+    return require(model, "_loss_tracker", MODEL_ATTRIBUTES["_loss_tracker"])
+
+
+def initial_epoch(model) -> int | None:
+    """The epoch Keras's `fit` starts at instead of its `initial_epoch` argument (what a
+    restore sets; `model._initial_epoch`): None when nothing set one."""
+    return require(model, "_initial_epoch", MODEL_ATTRIBUTES["_initial_epoch"])
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Make the next `fit` start at `epoch` (None: at its `initial_epoch` argument). The
+    attribute must exist: writing a name Keras no longer reads would do nothing."""
+    initial_epoch(model)
+    model._initial_epoch = epoch
+
+
+def inbound_nodes(layer) -> list:
+    """The graph nodes of each call of `layer` in a functional model (`layer._inbound_nodes`;
+    more than one for a shared layer)."""
+    return list(require(layer, "_inbound_nodes", MODEL_ATTRIBUTES["_inbound_nodes"]))
+
+
+def batchnorm_reduction_axes(layer) -> list:
+    """The axes a BatchNormalization layer averages over (`_reduction_axes`, set when it is
+    built)."""
+    return require(layer, "_reduction_axes", "BatchNormalization's axes")
+
+
+def batchnorm_moments(layer) -> Callable:
+    """A BatchNormalization layer's `_moments(inputs, mask)`: its batch mean and variance."""
+    return require(layer, "_moments", "BatchNormalization over real rows")
+
+
+def replace_batchnorm_moments(patches, layer, moments: Callable) -> None:
+    """For the duration of `patches`, `layer` computes its batch moments with
+    `moments(inputs, mask)` (a bound method)."""
+    batchnorm_moments(layer)
+    patches.set(layer, "_moments", moments)
+
+
+def learning_rate_of(optimizer):
+    """The learning rate as the optimizer holds it (`_learning_rate`): a variable (built
+    with a float), a `LearningRateSchedule` or a callable. The public `learning_rate`
+    evaluates it instead."""
+    return require(optimizer, "_learning_rate", OPTIMIZER_ATTRIBUTES["_learning_rate"])
+
+
+def set_learning_rate_of(optimizer, rate) -> None:
+    """Hold `rate` as the optimizer's learning rate as it is: unlike Keras's setter, which
+    assigns a float to the variable it has, or replaces it and untracks it."""
+    learning_rate_of(optimizer)
+    optimizer._learning_rate = rate
+
+
+def patch_learning_rate_of(patches, optimizer, rate) -> None:
+    """`set_learning_rate_of`, for the duration of `patches`."""
+    learning_rate_of(optimizer)
+    patches.set(optimizer, "_learning_rate", rate)
+
+
+def optimizer_variables(optimizer) -> list:
+    """The optimizer's own variable list (`_variables`; the public `variables` is a copy):
+    edits here are what `variables`, saving and loading see."""
+    return require(optimizer, "_variables", OPTIMIZER_ATTRIBUTES["_variables"])
+
+
+def iteration_variable(optimizer):
+    """The optimizer's iteration-count variable itself (`_iterations`; the public
+    `iterations` divides it under gradient accumulation)."""
+    return require(optimizer, "_iterations", OPTIMIZER_ATTRIBUTES["_iterations"])
+
+
+def variable_layout(variable):
+    """A Keras variable's layout over the device mesh (`_layout`): None where no
+    distribution laid it out (and on backends without layouts)."""
+    return require(variable, "_layout", VARIABLE_ATTRIBUTES["_layout"])
+
+
+def set_variable_layout(variable, layout) -> None:
+    """Lay `variable` out as `layout` (JAX: the next assignment places it there)."""
+    variable_layout(variable)
+    variable._layout = layout
+
+
+def callback_model(callback):
+    """The model a callback was given (`_model`), without Keras's `model` property, which
+    on JAX first syncs the trainer's state into the model's variables."""
+    return require(callback, "_model", "a callback's model")
+
+
+@functools.cache
+def _loss_function_wrapper() -> type:
+    """Keras's `LossFunctionWrapper` (not exported): the class in the MRO of the public
+    `keras.losses.MeanSquaredError` whose `__init__` takes the `fn` it wraps."""
+    for cls in keras.losses.MeanSquaredError.__mro__:
+        if "fn" in inspect.signature(vars(cls).get("__init__", lambda: None)).parameters:
+            return cls
+    raise _error(
+        "a class in keras.losses.MeanSquaredError.__mro__",
+        "__init__(fn)",
+        "the function a built-in loss applies",
+    )
+
+
+def wrapped_function(obj):
+    """The function a Keras loss or metric wrapper applies: `fn` of a `LossFunctionWrapper`
+    (every built-in function loss), `_fn` of a `keras.metrics.MeanMetricWrapper`; None for
+    any other object, which wraps nothing."""
+    if isinstance(obj, keras.metrics.MeanMetricWrapper):
+        return require(obj, "_fn", "the function a metric wrapper applies")
+    if isinstance(obj, _loss_function_wrapper()):
+        return obj.fn
+    return None
+
+
+def wrapped_kwargs(obj) -> dict:
+    """The keyword arguments a Keras loss or metric wrapper passes its function
+    (`_fn_kwargs`); {} for any other object."""
+    if isinstance(obj, (keras.metrics.MeanMetricWrapper, _loss_function_wrapper())):
+        return dict(require(obj, "_fn_kwargs", "the arguments a wrapped loss is called with"))
+    return {}
+
+
+def replace_tf_symbolic_build(patches, model) -> None:
+    """TF: for the duration of `patches`, the trainer's `_maybe_symbolic_build` (which builds
+    from a batch it reduces across replicas first) builds through `model._symbolic_build`
+    (`install_symbolic_build`'s, from the batch the model's step sees)."""
+    require(model, "_maybe_symbolic_build", "the TF trainer's build")
+    symbolic_build = require(model, "_symbolic_build", "building a model from a batch")
+
+    def build(iterator=None, data_batch=None):
+        symbolic_build()
+
+    patches.set(model, "_maybe_symbolic_build", build)
+
+
+def replace_all_reduce_sum_gradients(patches, optimizer_class, function: Callable) -> Callable:
+    """TF: for the duration of `patches`, `optimizer_class._all_reduce_sum_gradients` is
+    `function`; returns the one it replaces."""
+    original = require(optimizer_class, "_all_reduce_sum_gradients", "averaged gradients")
+    patches.set(optimizer_class, "_all_reduce_sum_gradients", function)
+    return original
+
+
+def tf_auto_shard_dataset() -> type:
+    """TensorFlow's `_AutoShardDataset` (tensorflow.python.data.experimental.ops.distribute,
+    what `tf.distribute` applies to shard a pipeline by its files; no public name reaches
+    it), checked against TensorFlow 2.21."""
+    try:
+        from tensorflow.python.data.experimental.ops import distribute
+
+        return distribute._AutoShardDataset
+    except (ImportError, AttributeError):
+        raise _error(
+            "tensorflow.python.data.experimental.ops.distribute",
+            "_AutoShardDataset",
+            "each process reading its own files of a tf.data pipeline",
+            library="TensorFlow",
+        ) from None

@@ -136,3 +136,74 @@ def test_require_on_an_instance():
     assert keras_internals.require(layer, "_moments", "why") == layer._moments
     with pytest.raises(keras_internals.KerasInternalsError, match="`_gone` of BatchNormalization"):
         keras_internals.require(layer, "_gone", "why")
+
+
+def _compiled_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+    return model
+
+
+def test_the_instance_accessors_read_what_keras_holds():
+    model = _compiled_model()
+    optimizer = model.optimizer
+    assert keras_internals.compile_loss(model) is model._compile_loss
+    assert keras_internals.compile_metrics(model) is model._compile_metrics
+    assert keras_internals.compiled_metric_arguments(model) == (["mae"], None)
+    assert keras_internals.loss_tracker(model) is model._loss_tracker
+    assert keras_internals.initial_epoch(model) is None
+    assert keras_internals.learning_rate_of(optimizer) is optimizer._learning_rate
+    assert keras_internals.optimizer_variables(optimizer) is optimizer._variables
+    assert keras_internals.iteration_variable(optimizer) is optimizer._iterations
+    assert keras_internals.inbound_nodes(model.layers[0]) == model.layers[0]._inbound_nodes
+    loss = keras.losses.MeanSquaredError()
+    assert keras_internals.wrapped_function(loss) is loss.fn
+    assert keras_internals.wrapped_kwargs(loss) == loss._fn_kwargs
+    metric = keras.metrics.MeanMetricWrapper(keras.losses.mean_absolute_error)
+    assert keras_internals.wrapped_function(metric) is keras.losses.mean_absolute_error
+    assert keras_internals.wrapped_function(keras.metrics.AUC()) is None
+    assert keras_internals.wrapped_kwargs(keras.metrics.AUC()) == {}
+
+
+def test_before_compile_the_accessors_return_keras_own_none():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert keras_internals.compile_loss(model) is None
+    assert keras_internals.compiled_metric_arguments(model) == (None, None)
+    assert keras_internals.loss_tracker(model) is None
+
+
+def test_a_writer_refuses_a_name_keras_no_longer_has():
+    class Renamed:
+        pass
+
+    with pytest.raises(keras_internals.KerasInternalsError, match="`_initial_epoch` of .*Renamed"):
+        keras_internals.set_initial_epoch(Renamed(), 3)
+    assert not hasattr(Renamed, "_initial_epoch")
+
+
+def test_check_model_names_a_missing_instance_attribute(monkeypatch):
+    monkeypatch.setattr(keras_internals, "_CHECKED_CLASSES", set())
+    keras_internals.check_model(_compiled_model())
+    keras_internals.check_model(None)  # A callback list without a model: check() only.
+    for holder in ("MODEL_ATTRIBUTES", "OPTIMIZER_ATTRIBUTES", "VARIABLE_ATTRIBUTES"):
+        with monkeypatch.context() as patch:
+            patch.setattr(keras_internals, "_CHECKED_CLASSES", set())
+            attributes = {**getattr(keras_internals, holder), "_renamed_in_keras_9": "testing"}
+            patch.setattr(keras_internals, holder, attributes)
+            with pytest.raises(keras_internals.KerasInternalsError) as caught:
+                keras_internals.check_model(_compiled_model())
+        assert "`_renamed_in_keras_9`" in str(caught.value)
+        assert f"Keras {keras.__version__} does not have" in str(caught.value)
+
+
+@pytest.mark.skipif(not ON_TF, reason="a TensorFlow internal")
+def test_a_missing_tensorflow_internal_names_the_tensorflow_version(monkeypatch):
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import distribute
+
+    assert keras_internals.tf_auto_shard_dataset() is distribute._AutoShardDataset
+    monkeypatch.delattr(distribute, "_AutoShardDataset")
+    with pytest.raises(keras_internals.KerasInternalsError) as caught:
+        keras_internals.tf_auto_shard_dataset()
+    assert "TensorFlow internal `_AutoShardDataset`" in str(caught.value)
+    assert f"TensorFlow {tf.__version__}" in str(caught.value)
