@@ -31,15 +31,6 @@ INTERNALS = PACKAGE / "utils" / "keras_internals.py"
 _MERGE = "TODO(merge): backends/fusion rework in progress"
 # (file, name): why. Short, one reason each.
 ALLOWED = {
-    ("keras_accel/adapter/backends/tensorflow.py", "_all_reduce_sum_gradients"): (
-        f"{_MERGE} (keras_internals.replace_all_reduce_sum_gradients)"
-    ),
-    ("keras_accel/adapter/backends/tensorflow.py", "_maybe_symbolic_build"): (
-        f"{_MERGE} (keras_internals.replace_tf_symbolic_build)"
-    ),
-    ("keras_accel/adapter/backends/tensorflow.py", "_symbolic_build"): (
-        f"{_MERGE} (keras_internals.replace_tf_symbolic_build)"
-    ),
     ("keras_accel/adapter/fusion.py", "_fusion_period"): f"{_MERGE} (our callbacks' protocol)",
     ("keras_accel/adapter/fusion.py", "_fuse"): f"{_MERGE} (our callbacks' protocol)",
     ("keras_accel/callbacks/_lock.py", "_training"): (

@@ -63,8 +63,6 @@ def _install_global_batch_losses(patches: Patches) -> None:
 
         return apply
 
-    original_all_reduce = optimizer_class._all_reduce_sum_gradients
-
     def all_reduce_gradients(self, grads_and_vars):
         if not ours():
             return original_all_reduce(self, grads_and_vars)
@@ -88,4 +86,7 @@ def _install_global_batch_losses(patches: Patches) -> None:
     # replica takes the same decision (and no all-reduce runs inside its cond).
     loss_scale = keras.optimizers.LossScaleOptimizer
     patches.set(loss_scale, "apply", averaging(loss_scale.apply))
-    patches.set(optimizer_class, "_all_reduce_sum_gradients", all_reduce_gradients)
+    # Keras's own, which the replacement calls outside our strategies (read as it goes in).
+    original_all_reduce = keras_internals.replace_all_reduce_sum_gradients(
+        patches, optimizer_class, all_reduce_gradients
+    )

@@ -78,12 +78,7 @@ class Runtime(runtime.Runtime):
             keras_internals.install_symbolic_build(
                 patches, model, first_batch, overrides_a_step=overrides_any_step(model)
             )
-            keras_internals.require(model, "_maybe_symbolic_build", "the TF trainer's build")
-
-            def build(iterator=None, data_batch=None):
-                model._symbolic_build()
-
-            patches.set(model, "_maybe_symbolic_build", build)
+            keras_internals.replace_tf_symbolic_build(patches, model)
         if self.plan.strategy == "multi_worker":
             install_reduce_logs(patches, self.native)
         if self.num_replicas > 1:
