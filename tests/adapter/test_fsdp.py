@@ -55,7 +55,7 @@ def _shards(variable):
     ids=["sgd_batchnorm", "adam"],
 )
 def test_fsdp_shards_every_variable_and_trains_as_one_device(
-    backend, num_devices, optimizer, batchnorm, capsys
+    backend, num_devices, optimizer, batchnorm, capsys, tmp_path
 ):
     if backend != "jax":
         with pytest.raises(ValueError, match="strategy='fsdp' needs the JAX backend.*Received"):
@@ -106,6 +106,13 @@ def test_fsdp_shards_every_variable_and_trains_as_one_device(
     np.testing.assert_allclose(
         acc.predict(model, x, batch_size=16, verbose=0), twin.predict(x, verbose=0), atol=1e-5
     )
+    # Keras's own saving gathers the shards: the file loads into a one-device model.
+    path = str(tmp_path / "fsdp.weights.h5")
+    model.save_weights(path)
+    loaded = _model(optimizer(), batchnorm)
+    loaded.load_weights(path)
+    for got, want in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_fsdp_on_a_data_model_mesh_keeps_the_layout_map_and_adds_the_data_axis(backend):
