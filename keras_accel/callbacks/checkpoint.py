@@ -9,8 +9,8 @@ import tempfile
 
 import keras
 
+from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks import _saving
-from keras_accel.callbacks._run import run_state
 from keras_accel.state import files
 from keras_accel.utils import keras_internals, process
 from keras_accel.utils.printing import print_msg
@@ -94,12 +94,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.max_to_keep = max_to_keep
         self._kept: list[str] | None = None
 
-    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
-        """Host-loop fusion: Keras counts `save_freq=N` in batch hooks, one per call."""
+    def fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.protocol`): Keras counts `save_freq=N`
+        in batch hooks, one per host call, so that needs every batch; "epoch" takes any."""
         return None if kind != "train" or self.save_freq == "epoch" else 1
 
     def on_train_batch_end(self, batch, logs=None):
-        if run_state(self._model).replaying(getattr(self, "_current_epoch", None), batch):
+        if run_context(self._model).replaying(getattr(self, "_current_epoch", None), batch):
             return
         super().on_train_batch_end(batch, logs)
 
