@@ -266,7 +266,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watch: Watch | None = None  # SIGTERM -> a last backup (`_preemption`).
         self._preempted = False
         self._sets_initial_epoch = False  # A restore set `model._initial_epoch` for Keras.
-        self._fit_callbacks: list | None = None  # The callback list of the fit in progress.
+        self._fit_callbacks: list | None = None  # The other callbacks of the fit in progress.
 
     # ------------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None):
@@ -290,7 +290,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A fit interrupted during a mid-epoch replay leaves it pending: this fit starts anew.
         self._replay = None
         run_context(model).replay_epoch = None
-        self._fit_callbacks = _calling_callbacks(self)
+        # The others only: a reference to itself would make a cycle, and keep a callback
+        # whose fit raised (its lock held) alive until the garbage collector runs.
+        found = _calling_callbacks(self)
+        self._fit_callbacks = None if found is None else [c for c in found if c is not self]
         if process.is_chief():
             self._prepare_directory()
             self._lock.acquire(model)
