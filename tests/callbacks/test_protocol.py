@@ -198,9 +198,7 @@ def test_replayed_batches_are_public(tmp_path):
     backup = BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
     first = Seen()
     with pytest.raises(KeyboardInterrupt):
-        _fresh().fit(
-            x, y, batch_size=8, epochs=2, verbose=0, callbacks=[backup, first, Crash()]
-        )
+        _fresh().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[backup, first, Crash()])
     backup.wait()
     second = Seen()
     _fresh().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[backup, second])
