@@ -582,7 +582,9 @@ class Accelerator:
 
         def patch(patches):
             _bind_schedule(model, epochs, steps, patches, train.plan)
-            fusion.install(patches, model, n, callbacks, epochs=int(epochs), steps=steps)
+            fusion.install(
+                patches, model, n, callbacks, kind="train", epochs=int(epochs), steps=steps
+            )
 
         with (
             self.scope(),
@@ -627,8 +629,11 @@ class Accelerator:
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
         data = self._runtime.wrap(batches, True, preprocessor(model))
-        n = self._fuse(model, "test", steps or batches.plan.num_batches, callbacks, verbose)
-        patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
+        length = steps or batches.plan.num_batches
+        n = self._fuse(model, "test", length, callbacks, verbose)
+        patch = functools.partial(
+            fusion.install, model=model, n=n, callbacks=callbacks, kind="test", steps=length
+        )
         with self.scope(), self._session(model, {"test": contract}, data, batches, contract, patch):
             result = _keras(model, "evaluate")(
                 data,
@@ -661,8 +666,11 @@ class Accelerator:
         batches = self.feeder.batches(x, None, batch_size, False, None, None, False, None, True)
         data = self._runtime.wrap(batches, True, preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
-        n = self._fuse(model, "predict", steps or batches.plan.num_batches, callbacks, verbose)
-        patch = functools.partial(fusion.install, model=model, n=n, callbacks=callbacks)
+        length = steps or batches.plan.num_batches
+        n = self._fuse(model, "predict", length, callbacks, verbose)
+        patch = functools.partial(
+            fusion.install, model=model, n=n, callbacks=callbacks, kind="predict", steps=length
+        )
         # The model's step sees `(x,)`, as Keras's own: nothing to build it from for us.
         with self.scope(), self._session(model, contracts, data, batches, None, patch):
             outputs, row_mask = _keras(model, "predict")(

@@ -12,7 +12,8 @@ take that:
 - a callback that overrides a batch hook of this kind is taken to need every batch, and
   turns fusion off, with a one-line note naming it; Keras's progress bar, and Keras's
   checkpoint callbacks with `save_freq="epoch"` (whose batch hooks do nothing then), can;
-- keras_accel's callbacks say what they can take (`_fusion_period`): a per-step
+- a callback that defines `fusion_period(kind, steps)` says what it can take (the public
+  protocol, `keras_accel.adapter.protocol`; users' callbacks too): a per-step
   `LearningRateScheduler` moves its schedule into the step (the rate changes at every step
   inside a group), `BackupAndRestore(save_freq=N)` needs groups that end where it saves, a
   `History(per_step=True)` needs every step.
@@ -32,6 +33,7 @@ import weakref
 
 import keras
 
+from keras_accel.adapter import protocol
 from keras_accel.utils.printing import print_msg
 
 AUTO = "auto"
@@ -108,7 +110,7 @@ def choose(
     kinds = (kind, "test") if validating and kind == "train" else (kind,)
     for callback in callbacks or []:
         for each in kinds:
-            own = getattr(callback, "_fusion_period", None)
+            own = getattr(callback, "fusion_period", None)
             hooks = batch_hooks(callback, each)
             if own is not None:
                 p = own(each, steps)
@@ -150,12 +152,16 @@ def note(model, n: int, why: str, verbose) -> None:
         print_msg(f"keras_accel: no host-loop fusion ({why}).")
 
 
-def install(patches, model, n: int, callbacks, epochs=None, steps=None) -> None:
-    """For this call: N steps per host call, and the callbacks told (`_fuse`)."""
+def install(
+    patches, model, n: int, callbacks, kind: str = "train", epochs=None, steps=None
+) -> None:
+    """For this call: N steps per host call, the model's `RunContext` holding the call's
+    facts, and every callback that defines `set_run_context` given it."""
     if id(model) not in _USERS:
         patches.set_item(_USERS, id(model), getattr(model, "steps_per_execution", 1))
     patches.set(model, "steps_per_execution", n)
+    context = protocol.begin_call(patches, model, kind, epochs=epochs, steps=steps)
     for callback in callbacks or []:
-        fuse = getattr(callback, "_fuse", None)
-        if fuse is not None:
-            fuse(patches, model, n, epochs=epochs, steps=steps)
+        hook = getattr(callback, "set_run_context", None)
+        if hook is not None:
+            hook(context)

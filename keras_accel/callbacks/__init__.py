@@ -11,8 +11,13 @@ Each takes Keras's arguments with Keras's meaning, works with `model.fit` and
 only, and writes to local paths or URLs (`gs://`, `s3://`, `memory://`) through
 `keras_accel.state.files` (fsspec, which picks the storage by the URL alone). See
 docs/callbacks.md.
+
+They coordinate through a public protocol that users' own callbacks can take part in:
+`fusion_period`, `set_run_context` and `state_dict`/`load_state_dict` methods, and the
+model's `RunContext` (`run_context(model)`); see `keras_accel.adapter.protocol`.
 """
 
+from keras_accel.adapter.protocol import RunContext, run_context
 from keras_accel.callbacks._preemption import Preempted
 from keras_accel.callbacks.backup import BackupAndRestore
 from keras_accel.callbacks.checkpoint import ModelCheckpoint
@@ -25,4 +30,6 @@ __all__ = [
     "LearningRateScheduler",
     "ModelCheckpoint",
     "Preempted",
+    "RunContext",
+    "run_context",
 ]

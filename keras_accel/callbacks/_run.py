@@ -1,9 +1,13 @@
-"""What the keras_accel callbacks of one `fit` tell each other, per model.
+"""The one fact two keras_accel callbacks pass each other privately, per model.
 
-Callbacks run in the order the user lists them, so none may rely on another having run
-first. The few facts they share (a mid-epoch resume in progress, the rate the scheduler
-applied) live in one small object per model, kept here, beside the model rather than on it:
-nothing is added to the user's model, and the record goes when the model does.
+Everything a callback may know about the run is public: `keras_accel.callbacks.RunContext`
+(`keras_accel.adapter.protocol`). What stays here is not run context but one callback's
+output for another, kept private on purpose: the rate `LearningRateScheduler` applied at
+this step, which `History(per_step=True)` records. The scheduler also puts it in the batch's
+logs (where any callback reads it), but only in its own `on_train_batch_end`, so a History
+listed before the scheduler would miss it; reading it from the optimizer instead would copy
+the JAX training state back to the host at every step. Kept beside the model rather than on
+it: nothing is added to the user's model, and the record goes when the model does.
 """
 
 from __future__ import annotations
@@ -16,27 +20,8 @@ _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclasses.dataclass
 class RunState:
-    # Set by BackupAndRestore on a mid-epoch resume: batches of `replay_epoch` before
-    # `replay_batch` re-run only to reach the restored position, then their effect is
-    # overwritten by the restored state. Other callbacks ignore them.
-    replay_epoch: int | None = None
-    replay_batch: int = 0
-    # Where the restored checkpoint left off: (epoch, batches done in it).
-    resumed_at: tuple[int, int] | None = None
-    # The rate LearningRateScheduler applied last, and the optimizer step it was for.
+    # The rate LearningRateScheduler applied last.
     learning_rate: float | None = None
-    learning_rate_step: int | None = None
-    # Bumped by BackupAndRestore whenever it assigns restored variables: a sign for
-    # callbacks that count steps on the host to read the optimizer's count again.
-    restores: int = 0
-
-    def replaying(self, epoch: int | None, batch: int) -> bool:
-        """Whether `batch` of `epoch` is a replayed batch of a mid-epoch resume."""
-        return (
-            self.replay_epoch is not None
-            and epoch == self.replay_epoch
-            and (batch < self.replay_batch)
-        )
 
 
 def run_state(model) -> RunState:

@@ -16,15 +16,19 @@ import warnings
 
 import keras
 
+from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
 from keras_accel.callbacks._preemption import Preempted, Watch
-from keras_accel.callbacks._run import run_state
+from keras_accel.callbacks.history import History
+from keras_accel.callbacks.learning_rate import optimizer_rate
 from keras_accel.state import engines, files, tree
 from keras_accel.utils import keras_internals, process
 from keras_accel.utils.printing import print_msg
 
 FORMAT = "keras_accel.BackupAndRestore"
-VERSION = 2
+# 3: the states of the fit's callbacks under "callbacks" ({state key: state_dict()}); version
+# 2 kept the History record alone, under "history" (still restored).
+VERSION = 3
 # What `keras.callbacks.BackupAndRestore` writes into its backup_dir: the weights (with the
 # optimizer's variables) and {"epoch": ..., "batch": ...}, and with double_checkpoint=True the
 # previous pair as .bkp copies.
@@ -92,14 +96,17 @@ class BackupAndRestore(keras.callbacks.Callback):
       statistics, Dropout's seed-generator states), optimizer variables (slots, iteration
       count, learning rate, hence the position of a `LearningRateScheduler`), the running
       metric totals; and, in one small JSON record the engine commits with the arrays, what
-      no engine stores: epoch and batch, the `keras_accel.callbacks.History` record, the
-      Python and NumPy random generator states, the variable manifest, the versions.
+      no engine stores: epoch and batch, the state of every callback of the fit that has
+      `state_dict()`/`load_state_dict(state)` methods (the `keras_accel.callbacks.History`
+      record; your own callbacks' too, see below), the Python and NumPy random generator
+      states, the variable manifest, the versions.
     - **mid-epoch resume**: with `save_freq=N` (steps) a backup can fall inside an epoch.
       Keras cannot start an epoch part-way, so the resumed run re-runs that epoch's first
       batches and, when it reaches the backup's position, restores the state again: their
       effect is overwritten, and training continues bit-for-bit as the uninterrupted run
       would (given a data order that depends only on the epoch, as `Accelerator.fit`
-      guarantees). Other keras_accel callbacks ignore the re-run batches.
+      guarantees). Other keras_accel callbacks ignore the re-run batches, and yours can
+      (`run_context(model).replaying(epoch, batch)`).
     - **rotation and atomic commits** by the engine: the newest `max_to_keep` backups are
       kept (default 5, as the seed's `CheckpointManager`), one per training step; a backup
       that a crash interrupted is never listed, and a damaged latest one is skipped with a
@@ -115,6 +122,17 @@ class BackupAndRestore(keras.callbacks.Callback):
       an error naming them. Keras's `_current_epoch`, `_last_batch_seen`, `_weights_path`
       and `_training_metadata_path` (and `_prev_` ones) exist here too, the paths naming
       the newest (and second newest) complete backup's files, None before there is one.
+
+    **Your callbacks' state**: a callback of the same `fit` (any position in the list) that
+    defines `state_dict()`, returning JSON-able data (dicts, lists, strings, numbers, bool,
+    None), and `load_state_dict(state)` is saved with every backup and given its state back
+    on resume, in this callback's `on_train_begin`, before the first epoch begins (a
+    callback listed after this one then sees its `on_train_begin` after the load: keep
+    state there that a resume must not reset). States are keyed by the callback's
+    `state_key` attribute where it has one, else its class name; two with one key in a fit
+    are an error. A state in the backup that no callback of this fit claims is left unused.
+    (Lightning's `Callback.state_dict`; `keras_accel.adapter.protocol`.) Outside a `fit`'s
+    callback list (a custom loop driving the hooks itself) only `model.history` is saved.
 
     The callback does not need `fit`: a custom loop can call `set_model`, `set_params`
     (`{"epochs": ..., "steps": ...}`) and the `on_*` hooks, or `save(epoch, batch)`,
@@ -248,6 +266,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watch: Watch | None = None  # SIGTERM -> a last backup (`_preemption`).
         self._preempted = False
         self._sets_initial_epoch = False  # A restore set `model._initial_epoch` for Keras.
+        self._fit_callbacks: list | None = None  # The other callbacks of the fit in progress.
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
@@ -275,7 +294,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_batch, self._batch_epoch = -1, None
         # A fit interrupted during a mid-epoch replay leaves it pending: this fit starts anew.
         self._replay = None
-        run_state(model).replay_epoch = None
+        run_context(model).replay_epoch = None
+        # The others only: a reference to itself would make a cycle, and keep a callback
+        # whose fit raised (its lock held) alive until the garbage collector runs.
+        found = keras_internals.calling_callbacks(self)
+        self._fit_callbacks = None if found is None else [c for c in found if c is not self]
         if process.is_chief():
             self._prepare_directory()
             self._lock.acquire(model)
@@ -302,8 +325,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             keras_internals.set_initial_epoch(self._model, None)
             self._sets_initial_epoch = False
 
-    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
-        """Host-loop fusion (`keras_accel.adapter.fusion`): with `save_freq=N` every group
+    def fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.protocol`): with `save_freq=N` every group
         of fused steps must end where a backup falls, so groups divide N and the epoch."""
         if kind != "train" or not isinstance(self.save_freq, int) or self.save_freq is False:
             return None
@@ -315,8 +338,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             batch = min(batch, steps - 1)
         # Every process asks at every batch end, so that all agree on the same one.
         preempted = self._watch is not None and self._watch.reached()
-        state = run_state(self._model)
-        if self._replay is not None and state.replaying(self._current_epoch, batch + 1):
+        context = run_context(self._model)
+        if self._replay is not None and context.replaying(self._current_epoch, batch + 1):
             if preempted:  # Nothing new since the backup this run restored.
                 self._preempt(None)
             return  # Still before the restored position.
@@ -345,7 +368,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preempt(path)
 
     def on_epoch_end(self, epoch, logs=None):
-        run_state(self._model).replay_epoch = None
+        run_context(self._model).replay_epoch = None
         self._current_epoch, self._last_batch_seen = epoch + 1, 0
         if self.save_freq == "epoch" or self._save_at_epoch_end:
             self._save_at_epoch_end = False
@@ -385,10 +408,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Keras never clears the epoch a restore set: a later fit would skip epochs.
         keras_internals.set_initial_epoch(model, None)
         self._sets_initial_epoch = False
-        state = run_state(model)
-        state.resumed_at = None
-        state.replay_epoch = None
+        context = run_context(model)
+        context.resumed_at = None
+        context.replay_epoch = None
         self._replay = None
+        self._fit_callbacks = None
         try:
             self.wait()  # The last save is on disk before fit returns.
             if process.is_chief() and self.delete_checkpoint:
@@ -458,9 +482,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         `wait()` to know it is on disk. Returns the backup's path.
         """
         model = self.model
-        history = getattr(model, "history", None)
-        if finished_epoch is not None and hasattr(history, "finish_epoch"):
-            history.finish_epoch(finished_epoch, logs)
+        callbacks = self._callback_states(finished_epoch, logs)
         self._last_saved = self._steps_done
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
@@ -474,8 +496,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             "steps_done": int(self._steps_done),
             "steps_per_epoch": None if steps is None else int(steps),
             "iterations": _optional_int(getattr(model.optimizer, "iterations", None)),
-            "learning_rate": run_state(model).learning_rate,
-            "history": history.to_dict() if hasattr(history, "to_dict") else None,
+            "learning_rate": _optional_rate(model.optimizer),
+            "callbacks": callbacks,
             "rng": tree.rng_state(),
             "manifest": tree.manifest(state),
             "backend": keras.backend.backend(),
@@ -507,6 +529,64 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.verbose > 0:
             print_msg(f"\nBackupAndRestore: saved {path}")
         return path
+
+    def _stateful(self) -> dict:
+        """{state key: callback} for the callbacks of this fit with `state_dict` and
+        `load_state_dict` (this one aside)."""
+        candidates = self._fit_callbacks
+        if candidates is None:  # Not inside a fit's callback list: Keras's own handle.
+            candidates = [getattr(self._model, "history", None)]
+        found: dict = {}
+        for callback in candidates:
+            if callback is self or not (
+                callable(getattr(callback, "state_dict", None))
+                and callable(getattr(callback, "load_state_dict", None))
+            ):
+                continue
+            key = str(getattr(callback, "state_key", None) or type(callback).__name__)
+            if key in found and found[key] is not callback:
+                raise RuntimeError(
+                    f"BackupAndRestore: two callbacks of this fit save their state under the "
+                    f"same key {key!r} ({found[key]!r} and {callback!r}), so a resume could "
+                    "not tell them apart. Give each a distinct `state_key` attribute."
+                )
+            found[key] = callback
+        return found
+
+    def _callback_states(self, finished_epoch: int | None, logs: dict | None) -> dict:
+        """Every stateful callback's `state_dict()`, checked to be JSON-able (the record
+        the engine commits is JSON). At an epoch's end, the run context says which epoch
+        ended, for callbacks whose own `on_epoch_end` has not run yet."""
+        context = run_context(self._model)
+        context.epoch_end = None if finished_epoch is None else (int(finished_epoch), logs or {})
+        try:
+            states = {key: callback.state_dict() for key, callback in self._stateful().items()}
+        finally:
+            context.epoch_end = None
+        for key, state in states.items():
+            try:
+                json.dumps(state)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"BackupAndRestore: the state_dict() of the callback {key!r} cannot be "
+                    f"saved: it must be JSON-able (dicts, lists, strings, numbers, bool, "
+                    f"None). {type(e).__name__}: {e}"
+                ) from e
+        return states
+
+    def _load_callback_states(self, meta: dict) -> None:
+        states = meta.get("callbacks")
+        stateful = self._stateful()
+        if states is None and meta.get("history"):
+            # A version 2 backup: the History record alone.
+            states = {
+                key: meta["history"]
+                for key, callback in stateful.items()
+                if isinstance(callback, History)
+            }
+        for key, state in (states or {}).items():
+            if key in stateful:
+                stateful[key].load_state_dict(state)
 
     def _remove_keras_files(self) -> None:
         # A Keras backup this run resumed from: the backup just started holds a later
@@ -661,16 +741,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         epoch, batch = int(meta["epoch"]), int(meta["batch"])
         tree.set_rng_state(meta["rng"])
-        history = getattr(model, "history", None)
-        if meta.get("history") and hasattr(history, "load_dict"):
-            history.load_dict(meta["history"])
+        self._load_callback_states(meta)
         keras_internals.set_initial_epoch(model, epoch)
         self._sets_initial_epoch = True
-        run = run_state(model)
-        run.resumed_at = (epoch, batch)
-        run.restores += 1
+        context = run_context(model)
+        context.resumed_at = (epoch, batch)
+        context.restores += 1
         if batch:
-            run.replay_epoch, run.replay_batch = epoch, batch
+            context.replay_epoch, context.replay_batch = epoch, batch
             self._replay = {
                 "values": tree.snapshot(restored),
                 "rng": meta["rng"],
@@ -690,7 +768,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         tree.set_rng_state(replay["rng"])
         # `replay_epoch` stays set until the epoch ends: callbacks after this one in the
         # list must still see this batch as a replayed one.
-        run_state(model).restores += 1
+        run_context(model).restores += 1
 
     def _restore_keras(self, found: list[str]) -> None:
         """Resume from what `keras.callbacks.BackupAndRestore` wrote, as Keras would.
@@ -725,9 +803,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")
         keras_internals.set_initial_epoch(model, epoch)
         self._sets_initial_epoch = True
-        run = run_state(model)
-        run.resumed_at = (epoch, 0)
-        run.restores += 1
+        context = run_context(model)
+        context.resumed_at = (epoch, 0)
+        context.restores += 1
         self._current_epoch, self._last_batch_seen = epoch, 0
         self._steps_done = self._last_saved = epoch * int(steps or 0)
         self._last_batch, self._batch_epoch = -1, epoch
@@ -830,6 +908,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             return files.listdir(self.backup_dir)
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+
+def _optional_rate(optimizer) -> float | None:
+    """The rate the optimizer applies at its next step, for the record (None if unread)."""
+    if optimizer is None:
+        return None
+    try:
+        return optimizer_rate(optimizer)
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 def _optional_int(value) -> int | None:

@@ -9,8 +9,8 @@ import tempfile
 
 import keras
 
+from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks import _saving
-from keras_accel.callbacks._run import run_state
 from keras_accel.state import files
 from keras_accel.utils import keras_internals, process
 from keras_accel.utils.printing import print_msg
@@ -95,8 +95,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._kept: list[str] | None = None
         self._epoch: int | None = None  # Kept here: Keras's own (`_current_epoch`) is private.
 
-    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
-        """Host-loop fusion: Keras counts `save_freq=N` in batch hooks, one per call."""
+    def fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.protocol`): Keras counts `save_freq=N`
+        in batch hooks, one per host call, so that needs every batch; "epoch" takes any."""
         return None if kind != "train" or self.save_freq == "epoch" else 1
 
     def set_model(self, model):
@@ -109,7 +110,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        if run_state(self._model).replaying(self._epoch, batch):
+        if run_context(self._model).replaying(self._epoch, batch):
             return
         super().on_train_batch_end(batch, logs)
 

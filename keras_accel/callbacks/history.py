@@ -13,6 +13,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks._run import run_state
 from keras_accel.callbacks.learning_rate import host_step, optimizer_rate
 from keras_accel.state import files
@@ -41,8 +42,9 @@ class History(keras.callbacks.History):
       every epoch by the chief process only, so whatever finished survives a crash, a
       KeyboardInterrupt or a SIGKILL; `History.load(path)` reads it back;
     - on resume it continues the same record: a fit that starts at epoch `e` (from
-      `initial_epoch`, or restored by `BackupAndRestore`, which also restores this record)
-      keeps epochs before `e` and replaces the rest, so no epoch is missing or doubled;
+      `initial_epoch`, or restored by `BackupAndRestore`, which saves and restores this
+      record through `state_dict`/`load_state_dict`) keeps epochs before `e` and replaces
+      the rest, so no epoch is missing or doubled;
     - `plot(path)` draws loss, metrics and learning rate against epochs to a PNG.
 
     One difference from Keras: the record is keyed by epoch index. Keras's `History` reused
@@ -100,10 +102,27 @@ class History(keras.callbacks.History):
         self._train_time = None
         self._samples = None
 
-    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
-        """Host-loop fusion (`keras_accel.adapter.fusion`): per-step records need a host
+    # ------------------------------------------------------------------ protocol
+    def fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """Host-loop fusion (`keras_accel.adapter.protocol`): per-step records need a host
         call per training step; epoch records take any fusion."""
         return 1 if self.per_step and kind == "train" else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The record, for `BackupAndRestore` to save with a backup (`to_dict()`).
+
+        A backup taken at the end of an epoch whose `on_epoch_end` this History has not
+        seen yet (the backup's callback runs first) holds that epoch too: the run context
+        says which epoch ended, with its logs (`RunContext.epoch_end`).
+        """
+        ending = run_context(self._model).epoch_end if self._model is not None else None
+        if ending is not None:
+            self.finish_epoch(*ending)
+        return self.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the record a backup saved (`load_dict`)."""
+        self.load_dict(state)
 
     # ------------------------------------------------------------------ record
     def to_dict(self) -> dict[str, Any]:
@@ -157,7 +176,7 @@ class History(keras.callbacks.History):
 
     def _truncate(self, first_epoch: int) -> None:
         """Drop what a fit starting at `first_epoch` is about to record again."""
-        resumed = run_state(self._model).resumed_at if self._model is not None else None
+        resumed = run_context(self._model).resumed_at if self._model is not None else None
         keep_batches = resumed[1] if resumed and resumed[0] == first_epoch else 0
         self.rows = [row for row in self.rows if row["epoch"] < first_epoch]
         self.steps = [
@@ -200,15 +219,15 @@ class History(keras.callbacks.History):
             self._samples = _samples_seen(self.model)
         if not self.per_step:
             return
-        state = run_state(self._model)
-        if state.replaying(self._epoch, batch):
+        if run_context(self._model).replaying(self._epoch, batch):
             return
         row = {"epoch": self._epoch, "batch": int(batch)}
         if steps and self._epoch is not None:
             row["step"] = self._epoch * int(steps) + int(batch)
         row.update(_plain(logs))
-        if "learning_rate" not in row and state.learning_rate is not None:
-            row["learning_rate"] = state.learning_rate
+        rate = run_state(self._model).learning_rate
+        if "learning_rate" not in row and rate is not None:
+            row["learning_rate"] = rate
         self.steps.append(row)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -220,8 +239,8 @@ class History(keras.callbacks.History):
     def finish_epoch(self, epoch: int, logs: dict | None = None) -> None:
         """Record epoch `epoch`; calling it again for the same epoch adds new log keys.
 
-        `BackupAndRestore` calls this before saving at the end of an epoch, so the saved
-        record holds that epoch whichever order the callbacks run in.
+        `on_epoch_end` calls it, and `state_dict()` when a backup at the epoch's end comes
+        first, so the saved record holds that epoch whichever order the callbacks run in.
         """
         logs = _plain(logs)
         if self.rows and self.rows[-1]["epoch"] == epoch:

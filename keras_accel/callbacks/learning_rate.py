@@ -12,6 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks._run import run_state
 from keras_accel.schedules import validate_learning_rate
 from keras_accel.utils import keras_internals
@@ -108,8 +109,8 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self._give_back = None
 
     # ------------------------------------------------------------------ fusion
-    def _fusion_period(self, kind: str, steps: int | None) -> int | None:
-        """What host-loop fusion this callback takes (`keras_accel.adapter.fusion`): any,
+    def fusion_period(self, kind: str, steps: int | None) -> int | None:
+        """What host-loop fusion this callback takes (`keras_accel.adapter.protocol`): any,
         except a per-step schedule that is a plain function, which runs on the host."""
         if kind != "train" or self.update_freq != "step" or self._schedule_in_step():
             return None
@@ -120,28 +121,33 @@ class LearningRateScheduler(keras.callbacks.Callback):
         # run inside the compiled step. Any other callable may hold host-only Python.
         return isinstance(self.schedule, keras.optimizers.schedules.LearningRateSchedule)
 
-    def _fuse(self, patches, model, n: int, epochs: int | None = None, steps=None) -> None:
-        """For one Accelerator fit, undone with `patches` on every way out of the call.
+    def set_run_context(self, context) -> None:
+        """For one Accelerator fit (`keras_accel.adapter.protocol`), undone through
+        `context.call_on_exit` on every way out of the call.
 
-        Fused (`n` > 1) with a per-step schedule object: the optimizer evaluates the schedule
-        itself, at its own step count, inside every compiled step, so the rate changes at
-        every step of a group; the hooks only report it. Otherwise the rate variable the
-        hooks set is installed here, before the Accelerator keys its compiled steps, so a
-        later fit finds them again (the same variable is installed again)."""
-        if epochs is None or getattr(model, "optimizer", None) is None:
-            return  # Not a fit (only fit passes its length).
+        Fused (steps_per_execution > 1) with a per-step schedule object: the optimizer
+        evaluates the schedule itself, at its own step count, inside every compiled step, so
+        the rate changes at every step of a group; the hooks only report it. Otherwise the
+        rate variable the hooks set is installed here, before the Accelerator keys its
+        compiled steps, so a later fit finds them again (the same variable is installed
+        again)."""
+        model = context.model
+        if context.kind != "train" or getattr(model, "optimizer", None) is None:
+            return
+        n = context.steps_per_execution
         if n > 1 and self.update_freq == "step" and self._schedule_in_step():
-            bound = self._bind({"epochs": epochs, "steps": steps})
+            bound = self._bind({"epochs": context.epochs, "steps": context.steps})
             # A float-built optimizer's rate variable ends at the last rate (`on_train_end`),
             # as a step-by-step run leaves it; a schedule-built one gets its schedule back.
-            current = keras_internals.learning_rate_of(inner_optimizer(model.optimizer))
+            optimizer = inner_optimizer(model.optimizer)
+            current = keras_internals.learning_rate_of(optimizer)
             self._variable = current if isinstance(current, keras.Variable) else None
-            keras_internals.patch_learning_rate_of(patches, inner_optimizer(model.optimizer), bound)
-            patches.set(self, "_in_step", bound)
+            _set_for_call(context, optimizer, keras_internals.LEARNING_RATE, bound)
+            _set_for_call(context, self, "_in_step", bound)
             return
         _, give_back = rate_variable(model)
         if give_back is not None:
-            patches.add(give_back)
+            context.call_on_exit(give_back)
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
@@ -267,15 +273,15 @@ class LearningRateScheduler(keras.callbacks.Callback):
 
     def _current_step(self, model, batch: int) -> int:
         optimizer = model.optimizer
-        state = run_state(model)
+        context = run_context(model)
         recount = (
             self._step is None
-            or state.restores != self._restores_seen
+            or context.restores != self._restores_seen
             or getattr(optimizer, "gradient_accumulation_steps", None)
         )
         if recount:
             self._step = host_step(optimizer.iterations)
-            self._restores_seen = state.restores
+            self._restores_seen = context.restores
         else:
             self._step += batch - self._last_batch
         self._last_batch = batch
@@ -307,9 +313,16 @@ class LearningRateScheduler(keras.callbacks.Callback):
             label = f"Epoch {index + 1}" if unit == "epoch" else f"Step {index}"
             print_msg(f"\n{label}: LearningRateScheduler setting learning rate to {shown}.")
         self._applied = rate
-        state = run_state(model)
-        state.learning_rate = rate
-        state.learning_rate_step = index if unit == "step" else None
+        run_state(model).learning_rate = rate
+
+
+def _set_for_call(context, obj, name: str, value) -> None:
+    """`obj.name = value` until the Accelerator call ends; through the instance's
+    `__dict__`, which Keras's attribute tracking does not see (as the call's own changes)."""
+    namespace = vars(obj)
+    old = namespace[name]
+    object.__setattr__(obj, name, value)
+    context.call_on_exit(lambda: namespace.__setitem__(name, old))
 
 
 def _host(value) -> np.ndarray:

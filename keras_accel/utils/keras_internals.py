@@ -571,6 +571,11 @@ def learning_rate_of(optimizer):
     return require(optimizer, "_learning_rate", OPTIMIZER_ATTRIBUTES["_learning_rate"])
 
 
+# The optimizer attribute that holds its learning rate (a float, a schedule or a variable),
+# for code that must set it for a while without Keras's setter (see set_learning_rate_of).
+LEARNING_RATE = "_learning_rate"
+
+
 def set_learning_rate_of(optimizer, rate) -> None:
     """Hold `rate` as the optimizer's learning rate as it is: unlike Keras's setter, which
     assigns a float to the variable it has, or replaces it and untracks it."""
@@ -683,3 +688,26 @@ def tf_auto_shard_dataset() -> type:
             "each process reading its own files of a tf.data pipeline",
             library="TensorFlow",
         ) from None
+
+
+def calling_callbacks(callback) -> list | None:
+    """The callbacks of the `keras.callbacks.CallbackList` whose hook is calling
+    `callback`'s, or None where none is (hooks called directly).
+
+    Keras hands a callback the model and `params`, never its siblings, and `fit` keeps its
+    CallbackList to itself; the list dispatches each hook from one of its own methods, so
+    the list is the `self` of a frame just above this hook (one more where a subclass wraps
+    the dispatch, as `Accelerator.loop`'s does). Checked against Keras 3.15's CallbackList,
+    which calls each callback's hook from its own method of the same name.
+    """
+    frame = inspect.currentframe().f_back
+    for _ in range(8):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+            each is callback for each in owner.callbacks
+        ):
+            return list(owner.callbacks)
+        frame = frame.f_back
+    return None

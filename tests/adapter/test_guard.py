@@ -50,13 +50,13 @@ def test_each_trace_counts_once_over_replicas_and_fused_steps():
 
 
 class _EveryFourth(keras.callbacks.Callback):
-    """Test batch hooks that take groups of 4 steps (keras_accel's `_fusion_period`)."""
+    """Test batch hooks that take groups of 4 steps (the public `fusion_period`)."""
 
     def __init__(self):
         super().__init__()
         self.ends = []
 
-    def _fusion_period(self, kind, steps):
+    def fusion_period(self, kind, steps):
         return 4
 
     def on_test_batch_end(self, batch, logs=None):

@@ -9,6 +9,7 @@ from keras_accel.state import files
 from tests.helpers import run_docstring_examples
 
 MODULES = [
+    "keras_accel.adapter.protocol",  # RunContext, exported as keras_accel.callbacks.RunContext
     "keras_accel.callbacks",  # the classes as exported by the package (`__all__`)
     "keras_accel.callbacks.backup",
     "keras_accel.callbacks.checkpoint",

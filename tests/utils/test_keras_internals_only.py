@@ -31,8 +31,6 @@ INTERNALS = PACKAGE / "utils" / "keras_internals.py"
 _MERGE = "TODO(merge): backends/fusion rework in progress"
 # (file, name): why. Short, one reason each.
 ALLOWED = {
-    ("keras_accel/adapter/fusion.py", "_fusion_period"): f"{_MERGE} (our callbacks' protocol)",
-    ("keras_accel/adapter/fusion.py", "_fuse"): f"{_MERGE} (our callbacks' protocol)",
     ("keras_accel/callbacks/_lock.py", "_training"): (
         "BackupAndRestore's own flag, read by the lock it owns; TODO(merge): the callbacks' "
         "state protocol rework in progress"
