@@ -59,9 +59,10 @@ class Accelerator:
             built inside `scope()`.
         seed: seeds Python, NumPy and the backend, so every process starts from the same
             weights and shuffles the same way.
-        layout_map: a `keras.distribution.LayoutMap` for "model_parallel" or "fsdp" (JAX);
-            by default Dense kernels are sharded over the "model" axis (where it has more
-            than one device).
+        layout_map: a `keras.distribution.LayoutMap` for "model_parallel" or "fsdp" (JAX),
+            or a keras-hub model class whose backbone ships one (e.g.
+            `keras_hub.models.GemmaCausalLM`); by default Dense kernels are sharded over
+            the "model" axis (where it has more than one device).
         remainder: what training does with the last, partial batch: "pad" (padded with
             zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch). The
             default, None, pads, except where the step cannot be told which rows are

@@ -21,3 +21,17 @@ def preprocessor(model):
     if hasattr(model, "preprocessor") and model.preprocessor is None:
         return None
     return model.preprocess_samples
+
+
+def hub_layout_map(model_class, mesh, model_axis: str = "model", data_axis: str = "batch"):
+    """The `LayoutMap` a keras-hub model class ships for `mesh` (a backbone's own
+    `get_layout_map`, or its task's backbone's: `GemmaCausalLM` -> `GemmaBackbone`), or None
+    when it ships none. Found by what the class has, as above."""
+    owner = model_class if isinstance(model_class, type) else type(model_class)
+    get = getattr(owner, "get_layout_map", None)
+    if get is None:
+        backbone = getattr(owner, "backbone_cls", None)
+        get = getattr(backbone, "get_layout_map", None)
+    if get is None:
+        return None
+    return get(mesh, model_parallel_dim_name=model_axis, data_parallel_dim_name=data_axis)

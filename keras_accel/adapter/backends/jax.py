@@ -12,6 +12,7 @@ from keras import distribution as kd
 
 from keras_accel.adapter import runtime
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.pipeline import hub_layout_map
 from keras_accel.adapter.sharding import fully_sharded_axes, is_replicated
 from keras_accel.adapter.steps import overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
@@ -115,12 +116,28 @@ def _data_parallel(plan: Plan, layout_map):
     return kd.DataParallel(devices=list(plan.devices), auto_shard_dataset=jax.process_count() == 1)
 
 
+def _layout_map_on(layout_map, mesh, default):
+    """The `LayoutMap` for `mesh` from what the user passed: None (`default(mesh)`), a
+    LayoutMap (bound to `mesh`), or a keras-hub model class whose backbone ships one."""
+    if layout_map is None:
+        return default(mesh)
+    if isinstance(layout_map, kd.LayoutMap):
+        return layout_map if layout_map.device_mesh is mesh else _rebind(layout_map, mesh)
+    shipped = hub_layout_map(layout_map, mesh) if isinstance(layout_map, type) else None
+    if shipped is None:
+        shown = layout_map.__name__ if isinstance(layout_map, type) else repr(layout_map)
+        raise ValueError(
+            "`layout_map` must be a keras.distribution.LayoutMap, or a keras-hub model class "
+            "whose backbone ships one (get_layout_map: GemmaBackbone, LlamaBackbone, "
+            f"QwenBackbone, ... or their tasks, e.g. GemmaCausalLM). Received: {shown}"
+        )
+    return shipped
+
+
 @STRATEGIES.builder("model_parallel", "jax")
 def _model_parallel(plan: Plan, layout_map):
     mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
-    layout_map = layout_map if layout_map is not None else default_layout_map(mesh)
-    if layout_map.device_mesh is not mesh:
-        layout_map = _rebind(layout_map, mesh)
+    layout_map = _layout_map_on(layout_map, mesh, default_layout_map)
     return kd.ModelParallel(
         layout_map=layout_map,
         batch_dim_name="batch",
@@ -173,14 +190,35 @@ def _note_replicated(model, distribution) -> None:
         )
 
 
+def _note_shipped_layout(model, mesh, strategy: str) -> None:
+    """Say once per model when its keras-hub class ships a layout map that was not used
+    (the model was laid out by the default rule when it was made)."""
+    if model in _NOTED_LAYOUT:
+        return
+    _NOTED_LAYOUT.add(model)
+    try:
+        shipped = hub_layout_map(type(model), mesh)
+    except ValueError:  # The shipped map wants axes this mesh lacks.
+        shipped = None
+    if shipped is not None:
+        name = type(model).__name__
+        print_msg(
+            f"keras_accel: {name} ships a layout map, unused here (its variables follow "
+            f"the default rule). Accelerator(strategy={strategy!r}, layout_map=keras_hub."
+            f"models.{name}) lays it out by its own, when built inside acc.scope()."
+        )
+
+
+_NOTED_LAYOUT: weakref.WeakSet = weakref.WeakSet()
+
+
 @STRATEGIES.builder("fsdp", "jax")
 def _fsdp(plan: Plan, layout_map):
     mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
-    if layout_map is None:
-        # A model axis of one: nothing to split across it.
-        layout_map = default_layout_map(mesh) if plan.mesh_shape[1] > 1 else kd.LayoutMap(mesh)
-    elif layout_map.device_mesh is not mesh:
-        layout_map = _rebind(layout_map, mesh)
+    # By default Dense outputs over the model axis, where it has more than one device.
+    layout_map = _layout_map_on(
+        layout_map, mesh, default_layout_map if plan.mesh_shape[1] > 1 else kd.LayoutMap
+    )
     return FullyShardedDataParallel(
         layout_map=layout_map,
         batch_dim_name="batch",
@@ -193,9 +231,10 @@ class Runtime(runtime.Runtime):
 
     all_reduce_sum = None  # jit programs are global-view: sums already span every replica.
 
-    def __init__(self, plan: Plan, native):
+    def __init__(self, plan: Plan, native, layout_map_given: bool = False):
         super().__init__(plan, native)
         self._devices = {_jax_device(name) for name in plan.devices}
+        self.layout_map_given = layout_map_given
 
     def own_files(self, batches):
         """This process's own files of a file-backed tf.data pipeline (`batches`), where
@@ -260,6 +299,8 @@ class Runtime(runtime.Runtime):
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if isinstance(self.native, FullyShardedDataParallel):
             _note_replicated(model, self.native)
+        if isinstance(self.native, kd.ModelParallel) and not self.layout_map_given:
+            _note_shipped_layout(model, self.native.device_mesh, self.plan.strategy)
         if first_batch is None:
             return
         # Keras builds a model symbolically from the first batch it reads; ours carries the
@@ -385,7 +426,8 @@ def _rebind(layout_map, mesh):
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
-    return Runtime(plan, STRATEGIES.build(plan, "jax", layout_map))
+    native = STRATEGIES.build(plan, "jax", layout_map)
+    return Runtime(plan, native, layout_map_given=layout_map is not None)
 
 
 def backend_versions() -> dict[str, str]:
