@@ -1,10 +1,13 @@
 """A JAX model-parallel run whose mesh spans processes (started by `keras-accel launch`).
 
-Usage: python _model_parallel.py WORKDIR DATA,MODEL
+Usage: python _model_parallel.py WORKDIR DATA,MODEL [STRATEGY]
 
-Dense kernels are sharded over the "model" axis (the default layout map). With mesh 1 x 8
-over 2 processes x 4 devices the model axis crosses the processes and the batch is not
-split at all: every process feeds every row. Writes WORKDIR/result-<process>.npz.
+STRATEGY is "model_parallel" (the default) or "fsdp". Under model_parallel Dense kernels are
+sharded over the "model" axis (the default layout map): with mesh 1 x 8 over 2 processes x 4
+devices the model axis crosses the processes and the batch is not split at all, every
+process feeds every row. Under fsdp with mesh 8 x 1 every variable is split over the data
+axis, which crosses the processes: each process holds half of every kernel and feeds half
+of every batch. Writes WORKDIR/result-<process>.npz.
 """
 
 import os
@@ -56,8 +59,9 @@ class BatchEndThreads(keras.callbacks.Callback):
 
 if __name__ == "__main__":
     workdir, mesh = sys.argv[1], tuple(int(v) for v in sys.argv[2].split(","))
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "model_parallel"
     # Importing keras touches no device: the Accelerator still joins the cluster first.
-    acc = Accelerator(strategy="model_parallel", mesh_shape=mesh, seed=0)
+    acc = Accelerator(strategy=strategy, mesh_shape=mesh, seed=0)
     model, losses, predictions = build_and_train(acc)
     # A kernel sharded over devices of both processes: each process holds half of it.
     from jax.experimental import multihost_utils
@@ -68,6 +72,7 @@ if __name__ == "__main__":
         loss=np.asarray(losses),
         predictions=predictions,
         spec=np.asarray(str(model.weights[0].value.sharding.spec)),
+        shards=np.asarray([len(v.value.addressable_shards) for v in model.weights]),
         threads_in_fit=np.asarray(BUILT["threads_in_fit"]),
         thread_safe=np.asarray(vars(sys.modules["keras.src.backend"])["IS_THREAD_SAFE"]),
         **{f"w{i}": w for i, w in enumerate(gathered)},

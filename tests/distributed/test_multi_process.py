@@ -330,3 +330,34 @@ def test_model_parallel_mesh_across_processes(tmp_path):
     np.testing.assert_allclose(first["predictions"], predictions, atol=10 * TOLERANCE)
     for i, variable in enumerate(model.weights):
         np.testing.assert_allclose(first[f"w{i}"], np.asarray(variable.value), atol=TOLERANCE)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="fsdp is JAX's")
+def test_fsdp_across_processes(tmp_path):
+    """strategy="fsdp" on 2 processes x 4 devices: every variable split over a data axis that
+    spans both (each process holds half of every kernel, on its 4 devices), each process
+    feeding its rows of every batch; equal to one process of 8."""
+    script = os.path.join(os.path.dirname(__file__), "_model_parallel.py")
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    command += ["--devices-per-process", "4", "--grace", str(GRACE_S), script, str(tmp_path)]
+    result = subprocess.run(
+        [*command, "8,1", "fsdp"], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = results(tmp_path, 0), results(tmp_path, 1)
+    assert str(first["spec"]) == "P(None, 'batch')"  # (6, 16): the 16 split.
+    # Every weight has a dimension 8 divides, so each is split in 8: 4 shards per process.
+    assert list(first["shards"]) == [4, 4, 4, 4]
+
+    from keras_accel import Accelerator
+    from tests.distributed import _model_parallel
+
+    model, losses, predictions = _model_parallel.build_and_train(
+        Accelerator(strategy="fsdp", seed=0)
+    )
+    for key in ("loss", "predictions", *(f"w{i}" for i in range(len(model.weights)))):
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    np.testing.assert_allclose(first["loss"], losses, atol=TOLERANCE)
+    np.testing.assert_allclose(first["predictions"], predictions, atol=10 * TOLERANCE)
+    for i, variable in enumerate(model.weights):
+        np.testing.assert_allclose(first[f"w{i}"], np.asarray(variable.value), atol=TOLERANCE)
