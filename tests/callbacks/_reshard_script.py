@@ -7,7 +7,8 @@ Builds the test's seeded model (Dense 32 -> BatchNormalization -> Dense 3, Adam)
 with `BackupAndRestore(WORKDIR/BACKUP, delete_checkpoint=False)`: a backup made by an earlier
 run (another strategy, another device count) is restored first. Writes every weight and
 optimizer variable, keyed by path, to WORKDIR/NAME.npz, and the layout of the first kernel to
-WORKDIR/NAME.layout.
+WORKDIR/NAME.layout. Under `keras-accel launch` (several processes, DEVICES each) the
+arrays are gathered from every process and the chief writes them.
 """
 
 import os
@@ -36,7 +37,19 @@ backup = BackupAndRestore(os.path.join(workdir, backup_dir), delete_checkpoint=F
 acc.fit(
     model, x, y, batch_size=16, epochs=int(epochs), shuffle=False, verbose=0, callbacks=[backup]
 )
-np.savez(os.path.join(workdir, f"{name}.npz"), **state(model))
+if acc.num_processes > 1:  # Each process holds its shards: gather every array whole.
+    from jax.experimental import multihost_utils
+
+    variables = [*model.weights, *model.optimizer.variables]
+    values = {
+        v.path.replace("/", "|"): multihost_utils.process_allgather(v.value, tiled=True)
+        for v in variables
+    }
+else:
+    values = state(model)
+if not acc.is_chief:
+    sys.exit(0)
+np.savez(os.path.join(workdir, f"{name}.npz"), **values)
 kernel = model.get_layer("wide").kernel.value
 layout = ""
 if keras.backend.backend() == "jax":

@@ -4,7 +4,8 @@ BackupAndRestore saves each array as it lies (under `fsdp` every device writes i
 shards; nothing is gathered on one host) and restores each into the layout the new run's
 variable has. Each run is its own process, since a process's device count is fixed:
 JAX goes fsdp on 8 devices -> fsdp on 4 -> one device -> data_parallel on 8 -> fsdp on 8;
-TensorFlow (tf.train) data_parallel on 8 -> one device -> data_parallel on 4. At each hop the
+TensorFlow (tf.train) data_parallel on 8 -> one device -> data_parallel on 4; and JAX's
+fsdp over 2 processes x 4 devices -> one process of 8. At each hop the
 restored weights and optimizer slots equal the saved ones bit for bit, and one more epoch
 from them then trains as the same epoch would under the old layout.
 """
@@ -105,3 +106,25 @@ def test_a_backup_restores_bit_exact_onto_other_layouts(tmp_path, backend):
     assert any(not np.array_equal(later[k], saved[k]) for k in saved)  # It trained on.
     for key in reference:
         np.testing.assert_allclose(later[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+def test_a_backup_of_two_processes_restores_onto_one(tmp_path, backend):
+    """fsdp over 2 processes x 4 devices (`keras-accel launch`: each process writes its own
+    shards) restores bit-exact onto one process of 8, under fsdp and under data_parallel."""
+    if backend != "jax":
+        pytest.skip("JAX's processes: TF's multi-worker backups are tests/distributed's")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("KERAS_ACCEL_TEST_DEVICES", None)
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    command += ["--devices-per-process", "4", str(SCRIPT), str(tmp_path), "backup", "4"]
+    done = subprocess.run(
+        [*command, "fsdp", "2", "saved"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = dict(np.load(tmp_path / "saved.npz"))
+    assert (tmp_path / "saved.layout").read_text() == "P(None, 'batch')"
+    for i, strategy in enumerate(("fsdp", "data_parallel")):
+        restored, _ = _run(tmp_path, 8, strategy, epochs=2, name=f"one{i}")
+        _assert_equal(restored, saved)
