@@ -16,7 +16,7 @@ from keras_accel.adapter import backends, fusion
 from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.guard import RecompileGuard
-from keras_accel.adapter.pipeline import is_pipeline, preprocessor
+from keras_accel.adapter.pipeline import is_pipeline, preprocessor, with_made_targets
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
@@ -331,9 +331,10 @@ class Accelerator:
         model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
 
         def make(remainder):
-            return self.feeder.batches(
+            batches = self.feeder.batches(
                 x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True
             )
+            return with_made_targets(batches, preprocessor(model))
 
         batches = make(self.remainder or "pad")
         builtin = not overrides(model, "train")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import keras
 
+from keras_accel.data import sources
+
 
 def is_pipeline(model) -> bool:
     """Whether `model` is a keras-hub task: it preprocesses samples and has a fit of its own."""
@@ -35,3 +37,19 @@ def hub_layout_map(model_class, mesh, model_axis: str = "model", data_axis: str 
     if get is None:
         return None
     return get(mesh, model_parallel_dim_name=model_axis, data_parallel_dim_name=data_axis)
+
+
+def with_made_targets(batches, preprocess):
+    """`batches`, marked with what `preprocess` (a keras-hub task's) adds to them, read from
+    its first batch: a causal LM's preprocessor makes the targets (the next tokens) and the
+    weights (the token padding mask) from x alone, so `fit(texts)` trains on both, as
+    keras-hub's own fit does."""
+    if preprocess is None or (batches.has_targets and batches.weighted):
+        return batches
+    x, y, sample_weight, _ = sources.sample_batch(batches)
+    _, made_y, made_weights = sources.standardize_element(preprocess(x, y, sample_weight))
+    if made_y is not None and not batches.has_targets:
+        batches.has_targets = True
+    if made_weights is not None and not batches.weighted:
+        batches.weighted = True
+    return batches

@@ -185,6 +185,7 @@ class ArrayBatches:
                 )
             sample_weight = class_weights_to_sample_weights(y, class_weight)
         self.x, self.y, self.sample_weight = x, y, sample_weight
+        self._made_targets = self._made_weights = False
         self.plan = BatchPlan(
             num_samples=num_samples,
             batch_size=int(batch_size),
@@ -204,12 +205,22 @@ class ArrayBatches:
 
     @property
     def has_targets(self) -> bool:
-        return self.y is not None
+        return self.y is not None or self._made_targets
+
+    @has_targets.setter
+    def has_targets(self, value: bool) -> None:
+        # Set where preprocessing makes targets from x (`keras_accel.adapter.pipeline`).
+        self._made_targets = bool(value) and self.y is None
 
     @property
     def weighted(self) -> bool:
-        """Whether the user gave weights (sample_weight or class_weight)."""
-        return self.sample_weight is not None
+        """Whether the batches carry weights: the user's (sample_weight or class_weight),
+        or ones their preprocessing makes."""
+        return self.sample_weight is not None or self._made_weights
+
+    @weighted.setter
+    def weighted(self, value: bool) -> None:
+        self._made_weights = bool(value) and self.sample_weight is None
 
     def __len__(self) -> int:
         return self.plan.num_batches

@@ -8,6 +8,7 @@ import pytest
 
 from keras_accel import Accelerator
 from keras_accel.adapter.sharding import fully_sharded_axes
+from tests.helpers import FEW_REPLICAS
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -109,3 +110,67 @@ def test_a_class_without_a_map_is_refused_by_name(backend):
         Accelerator(strategy="model_parallel", layout_map=keras_hub.models.BertBackbone)
     with pytest.raises(ValueError, match=r"LayoutMap, or a keras-hub .* Received: \{'a': 1\}"):
         Accelerator(strategy="fsdp", layout_map={"a": 1})
+
+
+def _preprocessor(texts):
+    """A GemmaCausalLMPreprocessor over a word-level tokenizer trained on `texts`."""
+    import io
+
+    import sentencepiece
+
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=proto, vocab_size=16, model_type="WORD",
+        pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="<pad>", bos_piece="<bos>",
+        eos_piece="<eos>", unk_piece="<unk>", minloglevel=2,
+    )  # fmt: skip
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=proto.getvalue())
+    return keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=8)
+
+
+def _causal_lm(preprocessor):
+    """A tiny GemmaCausalLM over `preprocessor`. No `set_random_seed` here: TensorFlow's
+    global seed, set after a SentencePiece tokenizer exists, loses its resource."""
+    backbone = _backbone_of(preprocessor.tokenizer.vocabulary_size())
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    return model
+
+
+def _backbone_of(vocabulary_size):
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=vocabulary_size, num_layers=1, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )  # fmt: skip
+
+
+def test_a_causal_lm_trains_on_raw_strings_as_keras_hub_does_on_one_device(backend):
+    """`acc.fit(causal_lm, texts)`: no y, as keras-hub's own fit takes it; the preprocessor
+    makes the targets and the token padding mask, and both are honoured (loss and the
+    weighted accuracy equal one device's, with 21 sentences of unequal lengths in batches of
+    8, the last one padded)."""
+    texts = [
+        "the cat sleeps",
+        "the dog runs after the ball",
+        "a fox hides",
+        "the owl watches the night",
+        "bees visit flowers",
+    ] * 5
+    texts = texts[:21]
+    strategy = {"strategy": "fsdp"} if backend == "jax" else {"devices": FEW_REPLICAS}
+    acc = Accelerator(seed=0, **strategy)
+    preprocessor = _preprocessor(texts)
+    with acc.scope():
+        model = _causal_lm(preprocessor)
+    twin = _causal_lm(preprocessor)
+    twin.set_weights(model.get_weights())
+    history = acc.fit(model, texts, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    want = twin.fit(texts, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["accuracy"], want.history["accuracy"], rtol=1e-5)
+    for got, expected in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
