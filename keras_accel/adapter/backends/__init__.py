@@ -4,21 +4,15 @@ Every backend module defines:
 
 - `inventory(probe_tpu=True) -> dict[str, list[str]]`: visible devices by platform ("tpu",
   "gpu", "cpu");
-- `build(plan, layout_map=None) -> Runtime`: the distribution for a `Plan`;
+- `build(plan, layout_map=None) -> Runtime`: the runtime for a `Plan`, around the object
+  the strategy registry's builder for this backend makes
+  (`keras_accel.adapter.strategies.STRATEGIES`; each backend registers its builders when
+  it is imported);
+- `backend_versions()`, and where several processes need it `connect(cluster)`,
+  `agree_seed(seed)` and `agree_all(flag)`;
 
-and its `Runtime` answers:
-
-- `scope()`, `num_replicas`, `native` (the `keras.distribution` object or `tf.distribute`
-  strategy, None for one device);
-- `model_misplaced(model)` and `variable_misplaced(variable)`: why a model or a variable
-  was not made under this runtime (None when it was), for the "built outside the scope"
-  errors;
-- `install(patches, model, first_batch, training)`: what this backend changes for the
-  duration of one Accelerator call (`keras_accel.adapter.patches`);
-- `all_reduce_sum` (sums BatchNormalization moments across replicas, or None where the
-  program sees the global batch) and `row_count(row_mask)` (a batch's real rows, as the
-  weight of its loss in the epoch average);
-- `wrap(batches, carry_mask, preprocess)`: what `model.fit` takes.
+and its `Runtime` subclasses `keras_accel.adapter.runtime.Runtime`, the contract the core
+calls (scope, the misplacement checks, what one call installs, row counts, `wrap`).
 
 Importing this package imports no backend; `load()` imports exactly the one asked for, so a
 JAX-only install never imports TensorFlow.
