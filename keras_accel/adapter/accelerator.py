@@ -23,6 +23,7 @@ from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
 from keras_accel.utils import cluster, keras_internals, process
+from keras_accel.utils.checks import check_positive_int
 from keras_accel.utils.optimizers import inner_optimizer
 from keras_accel.utils.seed import set_random_seed
 
@@ -885,8 +886,7 @@ def _real_rows(plan) -> slice | np.ndarray:
 
 
 def _check_positive_int(value, name: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    check_positive_int(name, value)
 
 
 def _unpack(data):

@@ -12,6 +12,8 @@ import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from keras_accel.utils import checks
+
 MODELS: dict[str, str] = {
     "mlp": "the seed's CIFAR-10 MLP (8 Dense-BatchNorm-ReLU-Dropout blocks)",
     "cnn": "the seed's CIFAR-10 CNN ('AlexNet': 5 Conv-BatchNorm-ReLU blocks)",
@@ -195,9 +197,7 @@ def backend_installed(name: str) -> bool:
 
 
 def check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BenchInputError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return value
+    return checks.check_positive_int(name, value, BenchInputError)
 
 
 def check_sweep(

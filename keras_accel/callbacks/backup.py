@@ -23,6 +23,7 @@ from keras_accel.callbacks.history import History
 from keras_accel.callbacks.learning_rate import optimizer_rate
 from keras_accel.state import engines, files, tree
 from keras_accel.utils import keras_internals, process
+from keras_accel.utils.checks import check_positive_int
 from keras_accel.utils.printing import print_msg
 
 FORMAT = "keras_accel.BackupAndRestore"
@@ -215,10 +216,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Expected either 'epoch' or an integer value: a positive number of batches "
                 "(or False, to save only when `save()` is called)."
             )
-        if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
-            raise ValueError(
-                f"`max_to_keep` must be a positive integer. Received: max_to_keep={max_to_keep!r}"
-            )
+        check_positive_int("max_to_keep", max_to_keep)
         if lock_timeout is not None and not lock_timeout > 0:
             raise ValueError(
                 "`lock_timeout` must be a positive number of seconds, or None. "

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from keras_accel.utils.checks import check_count
+
 ENV_VAR = "KERAS_ACCEL_CIFAR10"
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
@@ -431,10 +433,8 @@ def synthetic_cifar10(
 
 
 def _check_count(name: str, value, limit: int | None = None) -> None:
-    if value is None:
+    if check_count(name, value, allow_none=True) is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0 or None. Received: {name}={value!r}")
     if limit is not None and value > limit:
         raise ValueError(
             f"Asked for {value} samples, but CIFAR-10 has only {limit}. Received: {name}={value}"

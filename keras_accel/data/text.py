@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_accel.utils.checks import check_count
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 # One topic per class, in label order: class i's sentences contain words of TOPICS[i].
@@ -91,8 +93,7 @@ def synthetic_text_classification(
         True
     """
     for name, value in (("num_samples", num_samples), ("num_test_samples", num_test_samples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"`{name}` must be an integer >= 0. Received: {name}={value!r}")
+        check_count(name, value)
     if (
         isinstance(num_classes, bool)
         or not isinstance(num_classes, int)

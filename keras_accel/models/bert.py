@@ -13,6 +13,8 @@ import json
 import os
 from collections.abc import Sequence
 
+from keras_accel.utils.checks import check_positive_int
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _PRESET_CONFIG = "config.json"
 _TASK_CONFIG = "task.json"
@@ -218,10 +220,7 @@ def bert_classifier(
         >>> model.predict(["the team scored a goal"], verbose=0).shape
         (1, 2)
     """
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(
-            f"`num_classes` must be a positive integer. Received: num_classes={num_classes!r}"
-        )
+    check_positive_int("num_classes", num_classes)
     if (
         isinstance(sequence_length, bool)
         or not isinstance(sequence_length, int)

@@ -11,6 +11,7 @@ import math
 import keras
 
 from keras_accel.utils import keras_internals
+from keras_accel.utils.checks import check_positive_int
 
 # Training = forward + backward, and the backward pass of a matmul or convolution costs two of
 # them (gradient with respect to the input, and with respect to the weights): ~3x forward.
@@ -118,7 +119,4 @@ def training_flops(model: keras.Model, batch_size: int) -> int:
 
 
 def _check_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}"
-        )
+    check_positive_int("batch_size", batch_size)

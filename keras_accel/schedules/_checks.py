@@ -9,6 +9,8 @@ from typing import Any
 
 import keras
 
+from keras_accel.utils.checks import is_int
+
 UNITS = ("steps", "epochs", "fraction")
 
 
@@ -18,7 +20,7 @@ def is_real(value: Any) -> bool:
 
 
 def is_whole(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value)
 
 
 def positive_number(name: str, value: Any) -> float:

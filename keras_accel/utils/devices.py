@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from keras_accel.utils.checks import check_positive_int
+
 _SUPPORTED = ("jax", "tensorflow", "torch", "numpy")
 
 
@@ -45,8 +47,7 @@ def configure_virtual_cpu_devices(count: int) -> None:
     acc = keras_accel.Accelerator()               # data_parallel over cpu:0 ... cpu:7
     ```
     """
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"`count` must be a positive integer. Received: count={count!r}")
+    check_positive_int("count", count)
     backend = current_backend()
     if backend == "jax":
         import jax
