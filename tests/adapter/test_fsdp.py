@@ -136,3 +136,30 @@ def test_fsdp_on_a_data_model_mesh_keeps_the_layout_map_and_adds_the_data_axis(b
     want = twin.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
     assert_weights_close(model.get_weights(), twin.get_weights())
+
+
+def test_the_custom_loop_under_fsdp_keeps_the_state_sharded_and_equals_one_device(backend):
+    if backend != "jax":
+        pytest.skip("fsdp is JAX's (the TF error is tested above)")
+    x, y = data(37)
+    runs = {}
+    for strategy in ("fsdp", "single"):
+        acc = Accelerator(strategy=strategy, seed=0)
+        with acc.scope():
+            model = _model(keras.optimizers.Adam(0.01))
+            optimizer = keras.optimizers.Adam(0.01)
+        if "start" in runs:  # The same initial weights for both.
+            model.set_weights(runs["start"])
+        else:
+            runs["start"] = model.get_weights()
+        loop = acc.loop(model, optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        for epoch in range(2):
+            for batch in loop.batches(x, y, batch_size=16, shuffle=False, epoch=epoch):
+                loop.train_step(batch)
+        runs[strategy] = (model, optimizer, loop.evaluate(x, y, batch_size=16))
+    model, optimizer, logs = runs["fsdp"]
+    assert _spec(model.get_layer("wide").kernel) == (None, "batch")
+    slots = [v for v in optimizer.variables if len(v.shape) == 2 and v.shape[1] == 32]
+    assert slots and all(_spec(v) == (None, "batch") for v in slots)  # Adam's, still split.
+    assert logs == pytest.approx(runs["single"][2], rel=1e-5)
+    assert_weights_close(model.get_weights(), runs["single"][0].get_weights())
