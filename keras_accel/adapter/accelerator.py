@@ -558,6 +558,7 @@ class Accelerator:
             vx = _standardize_inputs(model, vx)
             vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
             val = self.feeder.batches(vx, vy, vbatch, False, vsw, None, False, None, True)
+            val = with_made_targets(val, preprocessor(model))
             _check_evaluation(val, "validation_data")
             self._check_exact(model, val, "validation_data")
         preprocess = preprocessor(model)
@@ -628,6 +629,7 @@ class Accelerator:
         batches = self.feeder.batches(
             x, y, batch_size, False, sample_weight, None, False, None, True
         )
+        batches = with_made_targets(batches, preprocessor(model))
         _check_evaluation(batches, "x")
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
@@ -891,12 +893,13 @@ def _check_positive_int(value, name: str) -> None:
 
 def _unpack(data):
     if isinstance(data, (tuple, list)):
-        if len(data) not in (2, 3):
+        # Keras's forms: (x,) (a model that makes its own targets), (x, y), (x, y, w).
+        if len(data) not in (1, 2, 3):
             raise ValueError(
-                "validation_data must be (x, y), (x, y, sample_weight) or a data set. "
+                "validation_data must be (x,), (x, y), (x, y, sample_weight) or a data set. "
                 f"Received a tuple of {len(data)} elements."
             )
-        return (*data, None) if len(data) == 2 else tuple(data)
+        return (*data, None, None)[:3]
     return data, None, None
 
 

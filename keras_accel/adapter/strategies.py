@@ -88,12 +88,12 @@ class StrategyRegistry(collections.abc.Mapping):
 
         >>> import keras_accel
         >>> from keras import distribution
-        >>> def two_devices(plan, layout_map):
-        ...     return distribution.DataParallel(devices=list(plan.devices)[:2])
+        >>> def mine(plan, layout_map):  # Over the plan's devices: the Accelerator checks.
+        ...     return distribution.DataParallel(devices=list(plan.devices))
         >>> entry = keras_accel.STRATEGIES.register(
-        ...     "first_two", "data parallel over the first two devices", jax=two_devices
+        ...     "my_data_parallel", "data parallel, built by me", jax=mine
         ... )
-        >>> keras_accel.STRATEGIES.unregister("first_two")
+        >>> keras_accel.STRATEGIES.unregister("my_data_parallel")
         """
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(
@@ -111,7 +111,10 @@ class StrategyRegistry(collections.abc.Mapping):
             raise ValueError(
                 f"`devices_on` must be 'model' or 'data'. Received: devices_on={devices_on!r}"
             )
-        entry = self._entries[name] = Strategy(name, description, mesh, platform, devices_on)
+        entry = Strategy(name, description, mesh, platform, devices_on)
+        if name in self._entries:  # An override keeps the builders it does not replace.
+            entry.builders.update(self._entries[name].builders)
+        self._entries[name] = entry
         for backend, build in builders.items():
             self.builder(name, backend)(build)
         return entry
@@ -123,8 +126,12 @@ class StrategyRegistry(collections.abc.Mapping):
         self.entry(name)
         del self._entries[name]
 
-    def builder(self, name: str, backend: str) -> Callable[[Builder], Builder]:
-        """A decorator: `function` builds strategy `name` on `backend`."""
+    def builder(
+        self, name: str, backend: str, default: bool = False
+    ) -> Callable[[Builder], Builder]:
+        """A decorator: `function` builds strategy `name` on `backend`. `default`: only where
+        none is registered yet (how the backends register theirs when they load, so that a
+        user's builder, registered before or after, always wins)."""
         entry = self.entry(name)
 
         def register(function: Builder) -> Builder:
@@ -133,7 +140,8 @@ class StrategyRegistry(collections.abc.Mapping):
                     f"A builder must be callable as builder(plan, layout_map). Received: "
                     f"{function!r} for {backend}={name!r}"
                 )
-            entry.builders[backend] = function
+            if not (default and backend in entry.builders):
+                entry.builders[backend] = function
             return function
 
         return register
@@ -166,6 +174,25 @@ class StrategyRegistry(collections.abc.Mapping):
                 f"builder with keras_accel.STRATEGIES.builder({plan.strategy!r}, {backend!r})."
             )
         return build(plan, layout_map)
+
+
+def check_built(plan: Plan, native, replicas: int | None, devices: int | None) -> None:
+    """A builder's object must span the plan: `replicas` data-parallel replicas over
+    `devices` devices (as the backend reads them off `native`; None: not read)."""
+    if native is None and len(plan.devices) == 1:
+        return
+    wrong = (replicas is not None and replicas != plan.num_replicas) or (
+        devices is not None and devices != len(plan.devices)
+    )
+    if wrong:
+        raise ValueError(
+            f"The builder of strategy={plan.strategy!r} made a {type(native).__name__} with "
+            f"{replicas} replica(s) over {devices} device(s), but the plan has "
+            f"{plan.num_replicas} replica(s) over {len(plan.devices)} device(s) "
+            f"({', '.join(plan.devices)}); batches are split and padded by the plan. Build "
+            "over `plan.devices` with `plan.mesh_shape`, or pass Accelerator(devices=...) to "
+            "choose fewer devices."
+        )
 
 
 STRATEGIES = StrategyRegistry()

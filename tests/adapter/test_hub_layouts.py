@@ -168,9 +168,19 @@ def test_a_causal_lm_trains_on_raw_strings_as_keras_hub_does_on_one_device(backe
         model = _causal_lm(preprocessor)
     twin = _causal_lm(preprocessor)
     twin.set_weights(model.get_weights())
-    history = acc.fit(model, texts, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    want = twin.fit(texts, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
-    np.testing.assert_allclose(history.history["accuracy"], want.history["accuracy"], rtol=1e-5)
+    validation = texts[:5]  # One batch of 5: padded to 8 (over the replicas) on JAX.
+    history = acc.fit(
+        model, texts, batch_size=8, epochs=2, shuffle=False, verbose=0,
+        validation_data=(validation,),
+    )  # fmt: skip
+    want = twin.fit(
+        texts, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(validation,)
+    )
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(history.history[key], want.history[key], rtol=1e-5, err_msg=key)
+    evaluated = acc.evaluate(model, texts, batch_size=8, verbose=0, return_dict=True)
+    assert evaluated == pytest.approx(
+        twin.evaluate(texts, batch_size=8, verbose=0, return_dict=True), rel=1e-5
+    )
     for got, expected in zip(model.get_weights(), twin.get_weights()):
         np.testing.assert_allclose(got, expected, atol=1e-5)

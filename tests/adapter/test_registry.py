@@ -1,6 +1,8 @@
 """The strategy registry: one entry per name, a builder per backend, and a user's own entry
 trained through the Accelerator like a built-in one."""
 
+import dataclasses
+
 import keras
 import pytest
 
@@ -117,3 +119,29 @@ def test_a_user_strategy_builds_and_trains_as_the_built_in_one(backend):
         assert_weights_close(runs["users_data_parallel"][2], runs["data_parallel"][2])
     finally:
         STRATEGIES.unregister("users_data_parallel")
+
+
+def test_a_users_builder_wins_over_the_backends_whenever_it_is_registered(registry):
+    mine, theirs = (lambda plan, layout_map: "mine"), (lambda plan, layout_map: "theirs")
+    registry.builder("single", "jax")(mine)
+    registry.builder("single", "jax", default=True)(theirs)  # A backend loading later.
+    plan = resolve("single", CPUS)
+    assert registry.build(plan, "jax") == "mine"
+    registry.builder("single", "tensorflow", default=True)(theirs)
+    # An override replaces the builders it names and keeps the others.
+    registry.register("single", "one device, mine", override=True, jax=theirs)
+    assert registry.build(plan, "jax") == "theirs"
+    assert registry.build(plan, "tensorflow") == "theirs"
+
+
+def test_a_builder_that_does_not_span_the_plan_is_refused(backend):
+    def first_two(plan, layout_map):
+        return _native_data_parallel(dataclasses.replace(plan, devices=plan.devices[:2]), None)
+
+    STRATEGIES.register("first_two", "the first two devices only", **{backend: first_two})
+    try:
+        with pytest.raises(ValueError, match=r"made a .* with 2 replica\(s\) over 2 device\(s\), "
+                           r"but the plan has 4 replica\(s\) over 4 device"):  # fmt: skip
+            Accelerator(strategy="first_two", devices=4)
+    finally:
+        STRATEGIES.unregister("first_two")

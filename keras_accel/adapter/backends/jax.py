@@ -15,7 +15,7 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import hub_layout_map
 from keras_accel.adapter.sharding import fully_sharded_axes, is_replicated
 from keras_accel.adapter.steps import overrides_any_step
-from keras_accel.adapter.strategies import STRATEGIES, Plan
+from keras_accel.adapter.strategies import STRATEGIES, Plan, check_built
 from keras_accel.data.batching import flatten
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
@@ -101,15 +101,15 @@ class MainThreadBatchEnds(keras.callbacks.Callback):
         pass
 
 
-@STRATEGIES.builder("single", "jax")
+@STRATEGIES.builder("single", "jax", default=True)
 def _single(plan: Plan, layout_map):
     return None
 
 
-@STRATEGIES.builder("data_parallel", "jax")
-@STRATEGIES.builder("mirrored", "jax")
-@STRATEGIES.builder("tpu", "jax")
-@STRATEGIES.builder("multi_worker", "jax")
+@STRATEGIES.builder("data_parallel", "jax", default=True)
+@STRATEGIES.builder("mirrored", "jax", default=True)
+@STRATEGIES.builder("tpu", "jax", default=True)
+@STRATEGIES.builder("multi_worker", "jax", default=True)
 def _data_parallel(plan: Plan, layout_map):
     # Several processes: each feeds its own rows of every global batch (`Runtime.wrap`);
     # Keras's auto-sharding would want a tf.data.Dataset and shard it by files.
@@ -134,7 +134,7 @@ def _layout_map_on(layout_map, mesh, default):
     return shipped
 
 
-@STRATEGIES.builder("model_parallel", "jax")
+@STRATEGIES.builder("model_parallel", "jax", default=True)
 def _model_parallel(plan: Plan, layout_map):
     mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
     layout_map = _layout_map_on(layout_map, mesh, default_layout_map)
@@ -212,7 +212,7 @@ def _note_shipped_layout(model, mesh, strategy: str) -> None:
 _NOTED_LAYOUT: weakref.WeakSet = weakref.WeakSet()
 
 
-@STRATEGIES.builder("fsdp", "jax")
+@STRATEGIES.builder("fsdp", "jax", default=True)
 def _fsdp(plan: Plan, layout_map):
     mesh = kd.DeviceMesh(plan.mesh_shape, ["batch", "model"], list(plan.devices))
     # By default Dense outputs over the model axis, where it has more than one device.
@@ -427,6 +427,16 @@ def _rebind(layout_map, mesh):
 
 def build(plan: Plan, layout_map=None) -> Runtime:
     native = STRATEGIES.build(plan, "jax", layout_map)
+    if isinstance(getattr(native, "device_mesh", None), kd.DeviceMesh):  # A Distribution.
+        mesh = native.device_mesh
+        name = getattr(native, "batch_dim_name", None) or mesh.axis_names[0]
+        replicas = mesh.shape[mesh.axis_names.index(name)]
+        check_built(plan, native, replicas, int(np.prod(mesh.shape)))
+    elif native is not None:
+        raise TypeError(
+            f"On JAX a strategy's builder returns a keras.distribution.Distribution or None. "
+            f"Received: {type(native).__name__} from the builder of strategy={plan.strategy!r}"
+        )
     return Runtime(plan, native, layout_map_given=layout_map is not None)
 
 

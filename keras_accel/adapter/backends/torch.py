@@ -15,7 +15,7 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
     return {"cpu": ["cpu:0"]}
 
 
-@STRATEGIES.builder("single", "torch")
+@STRATEGIES.builder("single", "torch", default=True)
 def _single(plan: Plan, layout_map):
     return None  # The Accelerator runs every strategy as "single" on torch, with a warning.
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 from keras_accel.adapter.backends.tensorflow.cluster import agree_all, agree_seed, connect
 from keras_accel.adapter.backends.tensorflow.runtime import Runtime
 from keras_accel.adapter.backends.tensorflow.tpu import connect_tpu
-from keras_accel.adapter.strategies import STRATEGIES, Plan
+from keras_accel.adapter.strategies import STRATEGIES, Plan, check_built
 
 __all__ = [
     "Runtime",
@@ -46,7 +46,17 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
-    return Runtime(plan, STRATEGIES.build(plan, "tensorflow", layout_map))
+    native = STRATEGIES.build(plan, "tensorflow", layout_map)
+    if isinstance(native, tf.distribute.Strategy):
+        # A multi-worker strategy's replicas span the workers; the plan lists this one's.
+        local = None if plan.strategy == "multi_worker" else len(native.extended.worker_devices)
+        check_built(plan, native, native.num_replicas_in_sync, local)
+    elif native is not None:
+        raise TypeError(
+            f"On TensorFlow a strategy's builder returns a tf.distribute.Strategy or None. "
+            f"Received: {type(native).__name__} from the builder of strategy={plan.strategy!r}"
+        )
+    return Runtime(plan, native)
 
 
 def backend_versions() -> dict[str, str]:

@@ -44,23 +44,23 @@ def _mirrored(devices: tuple) -> tf.distribute.MirroredStrategy:
     return _MIRRORED[devices]
 
 
-@STRATEGIES.builder("single", "tensorflow")
+@STRATEGIES.builder("single", "tensorflow", default=True)
 def _single(plan: Plan, layout_map):
     return None  # The Runtime places variables on the one device (`Runtime.device_scope`).
 
 
-@STRATEGIES.builder("data_parallel", "tensorflow")
-@STRATEGIES.builder("mirrored", "tensorflow")
+@STRATEGIES.builder("data_parallel", "tensorflow", default=True)
+@STRATEGIES.builder("mirrored", "tensorflow", default=True)
 def _data_parallel(plan: Plan, layout_map):
     return _mirrored(tuple(plan.devices))
 
 
-@STRATEGIES.builder("tpu", "tensorflow")
+@STRATEGIES.builder("tpu", "tensorflow", default=True)
 def _tpu(plan: Plan, layout_map):
     return tf.distribute.TPUStrategy(connect_tpu())
 
 
-@STRATEGIES.builder("multi_worker", "tensorflow")
+@STRATEGIES.builder("multi_worker", "tensorflow", default=True)
 def _multi_worker(plan: Plan, layout_map):
     strategy = cluster.multi_worker()
     if strategy is None:
@@ -78,8 +78,8 @@ def _multi_worker(plan: Plan, layout_map):
     return strategy
 
 
-@STRATEGIES.builder("model_parallel", "tensorflow")
-@STRATEGIES.builder("fsdp", "tensorflow")
+@STRATEGIES.builder("model_parallel", "tensorflow", default=True)
+@STRATEGIES.builder("fsdp", "tensorflow", default=True)
 def _jax_only(plan: Plan, layout_map):
     what = {
         "model_parallel": "variables laid out by a LayoutMap over a (data, model) mesh "
