@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 
 import keras
 
@@ -292,11 +293,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_batch, self._batch_epoch = -1, None
         # A fit interrupted during a mid-epoch replay leaves it pending: this fit starts anew.
         self._replay = None
-        run_context(model).replay_epoch = None
-        # The others only: a reference to itself would make a cycle, and keep a callback
-        # whose fit raised (its lock held) alive until the garbage collector runs.
+        context = run_context(model)
+        context.replay_epoch = None
+        context.resumed_at = None  # A restore below sets it again; an earlier fit's is gone.
+        # The others only, and weakly: a reference to itself would make a cycle, and strong
+        # ones would keep a failed fit's callbacks (and their models) alive while this one is.
         found = keras_internals.calling_callbacks(self)
-        self._fit_callbacks = None if found is None else [c for c in found if c is not self]
+        self._fit_callbacks = (
+            None if found is None else [weakref.ref(c) for c in found if c is not self]
+        )
         if process.is_chief():
             self._prepare_directory()
             self._lock.acquire(model)
@@ -531,9 +536,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _stateful(self) -> dict:
         """{state key: callback} for the callbacks of this fit with `state_dict` and
         `load_state_dict` (this one aside)."""
-        candidates = self._fit_callbacks
-        if candidates is None:  # Not inside a fit's callback list: Keras's own handle.
+        if self._fit_callbacks is None:  # Not inside a fit's callback list: Keras's handle.
             candidates = [getattr(self._model, "history", None)]
+        else:
+            candidates = [ref() for ref in self._fit_callbacks]
         found: dict = {}
         for callback in candidates:
             if callback is self or not (
@@ -571,6 +577,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"None). {type(e).__name__}: {e}"
                 ) from e
         return states
+
+    def _check_version(self, meta: dict, path: str) -> None:
+        """A backup of a later format is refused before anything is restored from it."""
+        version = meta.get("version", 1)
+        if isinstance(version, int) and version > VERSION:
+            raise ValueError(
+                f"BackupAndRestore: the backup {path!r} is of format version {version}, "
+                f"written by keras_accel {meta.get('keras_accel_version', '?')}; this "
+                f"keras_accel reads versions up to {VERSION}. Upgrade keras_accel to resume "
+                "from it, or point backup_dir elsewhere to start afresh."
+            )
 
     def _load_callback_states(self, meta: dict) -> None:
         states = meta.get("callbacks")
@@ -648,6 +665,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._skip(path, error)
                 unusable.append(path)
                 continue
+            self._check_version(meta, path)
             self._check_steps(meta, path)
             state = self._keyed_as(self._state(), meta["manifest"])
             chosen = tree.to_restore(state, meta["manifest"], repr(path), self.partial_restore)

@@ -2,6 +2,7 @@
 part in by a user's own callbacks: fusion periods, the run context, saved callback state."""
 
 import json
+import weakref
 
 import keras
 import numpy as np
@@ -240,9 +241,18 @@ def test_a_version_2_backup_gives_its_history_record_to_the_history():
     record.finish_epoch(0, {"loss": 1.0})
     backup = BackupAndRestore("/tmp/unused-keras-accel-protocol")
     history, counter = History(), _Counter()
-    backup._fit_callbacks = [backup, history, counter]
+    backup._fit_callbacks = [weakref.ref(c) for c in (backup, history, counter)]
     saved = json.loads(json.dumps(record.to_dict()))
     backup._load_callback_states({"version": 2, "history": saved})
     assert history.epoch == [0] and history.history["loss"] == [1.0]
     assert counter.loaded is None
+    backup_module._OPEN.pop(backup.backup_dir, None)
+
+
+def test_a_backup_of_a_later_format_is_refused_before_anything_is_restored():
+    backup = BackupAndRestore("/tmp/unused-keras-accel-protocol-version")
+    backup._check_version({"version": 3}, "b/12")  # This format: read.
+    with pytest.raises(ValueError, match=r"'b/12' is of format version 99, written by keras_accel"
+                       r" 9.0; this keras_accel reads versions up to 3. Upgrade"):  # fmt: skip
+        backup._check_version({"version": 99, "keras_accel_version": "9.0"}, "b/12")
     backup_module._OPEN.pop(backup.backup_dir, None)
