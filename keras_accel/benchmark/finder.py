@@ -19,7 +19,7 @@ from keras_accel.benchmark.spec import (
     BenchInputError,
     RunSpec,
     backend_installed,
-    check_positive_int,
+    check_bench_positive_int,
     model_reference,
     parse_backends,
 )
@@ -194,7 +194,7 @@ def find_batch_size(
         (multiple_of, "multiple_of"),
         (steps, "steps"),
     ):
-        check_positive_int(value, label)
+        check_bench_positive_int(value, label)
     if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise BenchInputError(f"`margin` must be in [0, 1). Received: margin={margin!r}")
     if not backend_installed(name):

@@ -196,7 +196,8 @@ def backend_installed(name: str) -> bool:
     return importlib.util.find_spec(BACKEND_MODULES[name]) is not None
 
 
-def check_positive_int(value: Any, name: str) -> int:
+def check_bench_positive_int(value: Any, name: str) -> int:
+    """`value` as an int when it is >= 1, else a BenchInputError naming `name`."""
     return checks.check_positive_int(name, value, BenchInputError)
 
 
@@ -204,8 +205,8 @@ def check_sweep(
     model: str, batch_sizes: tuple[int, ...], samples: int, epochs: int, synthetic: bool | None
 ) -> None:
     """The checks that involve several arguments at once."""
-    check_positive_int(samples, "samples")
-    check_positive_int(epochs, "epochs")
+    check_bench_positive_int(samples, "samples")
+    check_bench_positive_int(epochs, "epochs")
     cap = MAX_SYNTHETIC_SAMPLES
     if samples > cap:
         raise BenchInputError(

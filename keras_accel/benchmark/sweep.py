@@ -17,7 +17,7 @@ from keras_accel.benchmark.spec import (
     BenchInputError,
     RunSpec,
     backend_installed,
-    check_positive_int,
+    check_bench_positive_int,
     check_sweep,
     model_reference,
     parse_backends,
@@ -166,7 +166,7 @@ def run_benchmark(
             f"{', '.join(FLOPS_FROM)}."
         )
     if devices is not None:
-        check_positive_int(devices, "devices")
+        check_bench_positive_int(devices, "devices")
     if not (isinstance(width, (int, float)) and width > 0):
         raise BenchInputError(f"`width` must be a positive number. Received: width={width!r}")
     _check_strategy(strategy)

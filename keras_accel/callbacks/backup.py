@@ -217,7 +217,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Expected either 'epoch' or an integer value: a positive number of batches "
                 "(or False, to save only when `save()` is called)."
             )
-        check_positive_int("max_to_keep", max_to_keep)
+        max_to_keep = check_positive_int("max_to_keep", max_to_keep)
         if lock_timeout is not None and not lock_timeout > 0:
             raise ValueError(
                 "`lock_timeout` must be a positive number of seconds, or None. "

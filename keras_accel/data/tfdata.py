@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras_accel.data.batching import StreamPlan, pack, static_batch_size
 from keras_accel.data.sources import ArrayBatches, standardize_element
 from keras_accel.utils import keras_internals
+from keras_accel.utils.printing import print_msg
 
 Preprocess = Callable | None
 
@@ -450,7 +451,13 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
     size = _graph_batch_size(batches.source)
     if size is None or size % num_processes or plan.static_rows % num_processes:
         return None
-    auto_shard_dataset = keras_internals.tf_auto_shard_dataset()
+    try:
+        auto_shard_dataset = keras_internals.tf_auto_shard_dataset()
+    except keras_internals.KerasInternalsError as error:
+        # Reading one's own files only saves reading; every process reading the whole
+        # pipeline (and keeping its rows) gives the same batches.
+        _note_once(f"keras_accel: each process reads the whole pipeline ({error})")
+        return None
     try:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
@@ -480,3 +487,12 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
         return None  # An empty share.
     own._firsts[id(None)] = first[0]  # The raw first batch, read once (`first_batch`).
     return own
+
+
+_NOTED: set = set()
+
+
+def _note_once(message: str) -> None:
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print_msg(message)

@@ -220,7 +220,7 @@ def bert_classifier(
         >>> model.predict(["the team scored a goal"], verbose=0).shape
         (1, 2)
     """
-    check_positive_int("num_classes", num_classes)
+    num_classes = check_positive_int("num_classes", num_classes)
     if (
         isinstance(sequence_length, bool)
         or not isinstance(sequence_length, int)

@@ -47,7 +47,7 @@ def configure_virtual_cpu_devices(count: int) -> None:
     acc = keras_accel.Accelerator()               # data_parallel over cpu:0 ... cpu:7
     ```
     """
-    check_positive_int("count", count)
+    count = check_positive_int("count", count)
     backend = current_backend()
     if backend == "jax":
         import jax

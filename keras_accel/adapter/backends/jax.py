@@ -172,7 +172,7 @@ _NOTED: weakref.WeakSet = weakref.WeakSet()
 def _note_replicated(model, distribution) -> None:
     """Say once per model which of its weights `fsdp` keeps whole on every device (no
     dimension the data axis divides): each costs its full size on every device."""
-    if model in _NOTED:
+    if model in _NOTED or jax.process_index() != 0:  # Said once, by the chief.
         return
     _NOTED.add(model)
     mesh = distribution.device_mesh
@@ -193,12 +193,12 @@ def _note_replicated(model, distribution) -> None:
 def _note_shipped_layout(model, mesh, strategy: str) -> None:
     """Say once per model when its keras-hub class ships a layout map that was not used
     (the model was laid out by the default rule when it was made)."""
-    if model in _NOTED_LAYOUT:
+    if model in _NOTED_LAYOUT or jax.process_index() != 0:  # Said once, by the chief.
         return
     _NOTED_LAYOUT.add(model)
     try:
         shipped = hub_layout_map(type(model), mesh)
-    except ValueError:  # The shipped map wants axes this mesh lacks.
+    except Exception:  # Not keras-hub's (a get_layout_map of another shape), or another mesh.
         shipped = None
     if shipped is not None:
         name = type(model).__name__
