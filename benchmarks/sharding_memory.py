@@ -7,9 +7,10 @@ largest over the devices):
 
 - state: the bytes of weights + optimizer variables a device holds, summed over the
   arrays' own addressable shards (what the layout put there, not our bookkeeping);
-- step: the bytes one compiled training step holds live on a device, from XLA's memory
-  analysis of the step Keras runs (its arguments, outputs and temporaries, less what its
-  outputs alias from its arguments): the peak of the step's own program;
+- step: what one compiled training step holds on a device, from XLA's memory analysis of
+  the model's `train_step` compiled again here (donated, as Keras compiles it; outside the
+  Accelerator's call, so without its row-mask wrappers): arguments + outputs + temporaries,
+  less what the outputs alias, XLA's bound on the step's live bytes;
 - step time: the median of `--steps` timed steps after a warm-up, beside data_parallel's.
 
     python benchmarks/sharding_memory.py --devices 8

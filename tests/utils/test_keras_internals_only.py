@@ -28,12 +28,11 @@ PACKAGE = pathlib.Path(keras_accel.__file__).parent
 ROOT = PACKAGE.parent
 INTERNALS = PACKAGE / "utils" / "keras_internals.py"
 
-_MERGE = "TODO(merge): backends/fusion rework in progress"
 # (file, name): why. Short, one reason each.
 ALLOWED = {
     ("keras_accel/callbacks/_lock.py", "_training"): (
-        "BackupAndRestore's own flag, read by the lock it owns; TODO(merge): the callbacks' "
-        "state protocol rework in progress"
+        "BackupAndRestore's own flag, read by the directory lock that BackupAndRestore owns "
+        "(one of ours, in another module)"
     ),
     ("keras_accel/callbacks/backup.py", "_register_atexit"): (
         "stdlib: CPython's hook that runs before threading's pools shut down (Python >= 3.9; "
