@@ -92,7 +92,8 @@ def test_a_backup_restores_bit_exact_onto_other_layouts(tmp_path, backend):
         hops = [(1, "single"), (4, "data_parallel")]
         first, layouts = (8, "data_parallel"), {}
     saved, layout = _run(tmp_path, *first, epochs=2, name="saved")
-    assert layout == layouts.get(first[1], layout)
+    if first[1] in layouts:  # JAX's arrays say their layout; tf.train's have none to say.
+        assert layout == layouts[first[1]]
     for i, (devices, strategy) in enumerate(hops):
         # Two epochs asked, two in the backup: the run restores and trains nothing more.
         restored, layout = _run(tmp_path, devices, strategy, epochs=2, name=f"hop{i}")
