@@ -122,3 +122,15 @@ def run_docstring_examples(name):
     assert result.attempted > 0, f"{name}: no docstring examples found in it or its exports"
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
     return result
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Ends a fit with KeyboardInterrupt as `epoch` begins (after the backups before it)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt

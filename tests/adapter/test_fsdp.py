@@ -117,7 +117,9 @@ def test_fsdp_shards_every_variable_and_trains_as_one_device(
 
 def test_fsdp_on_a_data_model_mesh_keeps_the_layout_map_and_adds_the_data_axis(backend):
     if backend != "jax":
-        pytest.skip("a keras.distribution mesh")
+        pytest.skip(
+            "a (data, model) mesh is keras.distribution's; TF's refusal of fsdp is tested above"
+        )
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*wide/kernel"] = (None, "model")

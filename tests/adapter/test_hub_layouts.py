@@ -91,7 +91,9 @@ def test_a_keras_hub_class_lays_its_backbone_out_by_its_own_map(backend, strateg
 
 def test_a_shipped_map_left_unused_is_named_once(backend, capsys):
     if backend != "jax":
-        pytest.skip("keras.distribution layouts")
+        pytest.skip(
+            "layout maps are keras.distribution's (JAX); TF refuses both strategies, tested above"
+        )
     acc = Accelerator(strategy="model_parallel", mesh_shape=(2, 4), seed=0)
     with acc.scope():
         backbone = _backbone()
@@ -105,7 +107,9 @@ def test_a_shipped_map_left_unused_is_named_once(backend, capsys):
 
 def test_a_class_without_a_map_is_refused_by_name(backend):
     if backend != "jax":
-        pytest.skip("keras.distribution layouts")
+        pytest.skip(
+            "layout maps are keras.distribution's (JAX); TF refuses both strategies, tested above"
+        )
     with pytest.raises(ValueError, match="keras-hub model class .* Received: BertBackbone"):
         Accelerator(strategy="model_parallel", layout_map=keras_hub.models.BertBackbone)
     with pytest.raises(ValueError, match=r"LayoutMap, or a keras-hub .* Received: \{'a': 1\}"):

@@ -17,17 +17,7 @@ import pytest
 from keras_accel.callbacks import BackupAndRestore, History, Preempted
 from keras_accel.callbacks._lock import LOCK_NAME
 from keras_accel.utils import process
-from tests.helpers import compiled_mlp, data, weights_of
-
-
-class Interrupt(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise KeyboardInterrupt
+from tests.helpers import Interrupt, compiled_mlp, data, weights_of
 
 
 def test_interrupted_fit_resumes_where_it_stopped(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore, History, RunContext, run_context
 from keras_accel.callbacks import backup as backup_module
-from tests.helpers import compiled_mlp, data
+from tests.helpers import Interrupt, compiled_mlp, data
 
 DEVICES = 2  # What is checked is the host loop, not the step.
 
@@ -107,16 +107,6 @@ class _Counter(keras.callbacks.Callback):
         self.batches = state["batches"]
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise KeyboardInterrupt
-
-
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_backup_saves_and_restores_a_users_callback_state(tmp_path, where):
     x, y = data(40)  # 2 batches an epoch (batch_size 32).
@@ -124,7 +114,7 @@ def test_backup_saves_and_restores_a_users_callback_state(tmp_path, where):
     counter = _Counter()
     first = [counter, backup] if where == "before" else [backup, counter]
     with pytest.raises(KeyboardInterrupt):
-        _fresh().fit(x, y, epochs=4, verbose=0, callbacks=[*first, _Interrupt(2)])
+        _fresh().fit(x, y, epochs=4, verbose=0, callbacks=[*first, Interrupt(2)])
     backup.wait()
     # Batch ends run before the epoch's end, where the backup is taken: all 4 are in.
     resumed = _Counter()
@@ -160,7 +150,7 @@ def test_epoch_end_state_is_in_the_backup_whatever_the_order(tmp_path):
     x, y = data(40)
     backup = BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(KeyboardInterrupt):
-        _fresh().fit(x, y, epochs=4, verbose=0, callbacks=[backup, Epochs(), _Interrupt(2)])
+        _fresh().fit(x, y, epochs=4, verbose=0, callbacks=[backup, Epochs(), Interrupt(2)])
     backup.wait()
     resumed, history = Epochs(), History()
     _fresh().fit(x, y, epochs=4, verbose=0, callbacks=[backup, resumed, history])
