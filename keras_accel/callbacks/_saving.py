@@ -11,6 +11,7 @@ import os
 import tempfile
 
 from keras_accel.state import files
+from keras_accel.state.whole import whole_values
 
 
 def save(model, path: str, weights_only: bool) -> None:
@@ -35,7 +36,10 @@ def save(model, path: str, weights_only: bool) -> None:
 
 
 def _write(model, local_path: str, weights_only: bool) -> None:
-    if weights_only:
-        model.save_weights(local_path, overwrite=True)
-    else:
-        model.save(local_path, overwrite=True)
+    # Variables split over several processes' devices read whole (a collective: every
+    # process saves, the others into scratch); Keras's savers cannot read them otherwise.
+    with whole_values(model):
+        if weights_only:
+            model.save_weights(local_path, overwrite=True)
+        else:
+            model.save(local_path, overwrite=True)

@@ -7,7 +7,9 @@ sharded over the "model" axis (the default layout map): with mesh 1 x 8 over 2 p
 devices the model axis crosses the processes and the batch is not split at all, every
 process feeds every row. Under fsdp with mesh 8 x 1 every variable is split over the data
 axis, which crosses the processes: each process holds half of every kernel and feeds half
-of every batch. Writes WORKDIR/result-<process>.npz.
+of every batch. Writes WORKDIR/result-<process>.npz, and through ModelCheckpoint (every epoch,
+the chief writing) WORKDIR/weights.weights.h5 and WORKDIR/model.keras: Keras's savers read
+variables that no process holds whole.
 """
 
 import os
@@ -20,7 +22,7 @@ import numpy as np
 from keras_accel import Accelerator
 
 
-def build_and_train(acc):
+def build_and_train(acc, callbacks=()):
     with acc.scope():
         model = keras.Sequential(
             [
@@ -34,7 +36,7 @@ def build_and_train(acc):
     x = rng.normal(size=(100, 6)).astype("float32")
     y = rng.normal(size=(100, 8)).astype("float32")
     seen = BatchEndThreads()
-    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=[seen])
+    history = acc.fit(model, x, y, batch_size=16, epochs=2, verbose=0, callbacks=[seen, *callbacks])
     BUILT["threads_in_fit"] = seen.values
     return model, history.history["loss"], acc.predict(model, x, verbose=0)
 
@@ -62,7 +64,13 @@ if __name__ == "__main__":
     strategy = sys.argv[3] if len(sys.argv) > 3 else "model_parallel"
     # Importing keras touches no device: the Accelerator still joins the cluster first.
     acc = Accelerator(strategy=strategy, mesh_shape=mesh, seed=0)
-    model, losses, predictions = build_and_train(acc)
+    from keras_accel.callbacks import ModelCheckpoint
+
+    checkpoints = [
+        ModelCheckpoint(os.path.join(workdir, "weights.weights.h5"), save_weights_only=True),
+        ModelCheckpoint(os.path.join(workdir, "model.keras")),
+    ]
+    model, losses, predictions = build_and_train(acc, callbacks=checkpoints)
     # A kernel sharded over devices of both processes: each process holds half of it.
     from jax.experimental import multihost_utils
 

@@ -309,7 +309,9 @@ def test_model_parallel_mesh_across_processes(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     first, second = results(tmp_path, 0), results(tmp_path, 1)
-    assert "'model'" in str(first["spec"])  # The kernel's output axis is sharded.
+    # The kernel's output axis is sharded, read after the checkpoints were written.
+    assert "'model'" in str(first["spec"])
+    assert_checkpoints_hold(tmp_path, first)
 
     from keras_accel import Accelerator
     from tests.distributed import _model_parallel
@@ -332,6 +334,29 @@ def test_model_parallel_mesh_across_processes(tmp_path):
         np.testing.assert_allclose(first[f"w{i}"], np.asarray(variable.value), atol=TOLERANCE)
 
 
+def assert_checkpoints_hold(workdir, first):
+    """The chief's ModelCheckpoint files (tests/distributed/_model_parallel.py) hold the
+    trained state whole: the weights load into a model on one device and equal the gathered
+    arrays, the .keras file's optimizer too; nothing else is left in the directory."""
+    import keras
+
+    names = sorted(os.listdir(workdir))
+    assert names == ["model.keras", "result-0.npz", "result-1.npz", "weights.weights.h5"], names
+    twin = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(8)]
+    )
+    twin.load_weights(os.path.join(workdir, "weights.weights.h5"))
+    for i, weight in enumerate(twin.get_weights()):
+        np.testing.assert_array_equal(weight, first[f"w{i}"], err_msg=f"w{i}")
+    loaded = keras.saving.load_model(os.path.join(workdir, "model.keras"))
+    for i, weight in enumerate(loaded.get_weights()):
+        np.testing.assert_array_equal(weight, first[f"w{i}"], err_msg=f"w{i} (.keras)")
+    # SGD with momentum: 2 epochs of 7 steps, and a momentum per weight, saved whole.
+    assert int(loaded.optimizer.iterations) == 14
+    momenta = [v for v in loaded.optimizer.variables if v.shape == (6, 16)]
+    assert len(momenta) == 1 and np.any(np.asarray(momenta[0]) != 0)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="fsdp is JAX's")
 def test_fsdp_across_processes(tmp_path):
     """strategy="fsdp" on 2 processes x 4 devices: every variable split over a data axis that
@@ -348,6 +373,7 @@ def test_fsdp_across_processes(tmp_path):
     assert str(first["spec"]) == "P(None, 'batch')"  # (6, 16): the 16 split.
     # Every weight has a dimension 8 divides, so each is split in 8: 4 shards per process.
     assert list(first["shards"]) == [4, 4, 4, 4]
+    assert_checkpoints_hold(tmp_path, first)  # Saved whole; the arrays above still split.
 
     from keras_accel import Accelerator
     from tests.distributed import _model_parallel
