@@ -32,6 +32,7 @@ DOCSTRING_MODULES = [
     "keras_accel.adapter.accelerator",
     "keras_accel.adapter.strategies",
     "keras_accel.adapter.sharding",
+    "keras_accel.adapter.layouts",
     "keras_accel.utils.checks",
     "keras_accel.data.cifar10",
     "keras_accel.data.text",

@@ -12,10 +12,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends, fusion
+from keras_accel.adapter import backends, fusion, layouts
 from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.guard import RecompileGuard
+from keras_accel.adapter.layouts import LayoutReport
 from keras_accel.adapter.pipeline import is_pipeline, preprocessor, with_made_targets
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract, overrides
@@ -422,6 +423,49 @@ class Accelerator:
         )
 
     # ------------------------------------------------------------------ model
+    def describe(self, model: keras.Model) -> LayoutReport:
+        """Where each variable of `model` lies over this Accelerator's devices, read from
+        the arrays themselves: a `LayoutReport`, one row per variable (the model's, its
+        optimizer's, its metrics') with its path, shape, dtype, layout, and the block and
+        bytes each device holds; `print()` it for a table with the totals per device.
+
+        Under `strategy="fsdp"` a kernel reads `P(None, 'batch')` (its second dimension
+        split over the data axis) and each device holds 1/N of it; under `data_parallel`
+        every variable is "replicated" (JAX) or "mirrored" (TF). On JAX, optimizer slots
+        exist once the optimizer is built (the first `fit`, or `optimizer.build`).
+
+        Example:
+
+        >>> import keras
+        >>> from keras_accel import Accelerator
+        >>> acc = Accelerator(strategy="single")
+        >>> with acc.scope():
+        ...     model = keras.Sequential(
+        ...         [keras.Input((4,)), keras.layers.Dense(2, name="out")], name="net"
+        ...     )
+        >>> print(acc.describe(model))  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
+        net under single on 1 device:
+        variable        shape   dtype    layout  per device  bytes
+        net/out/kernel  (4, 2)  float32  ...:0   (4, 2)       32 B
+        net/out/bias    (2,)    float32  ...:0   (2,)          8 B
+        per device: model 40 B of 40 B
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
+        if not model.built:
+            raise ValueError(
+                f"Model {model.name!r} has no variables yet: build it first (give it a "
+                "`keras.Input`, or call it on a batch), then describe it."
+            )
+        count = len(self.devices)
+        title = (
+            f"{model.name} under {self.strategy_name} on {count} "
+            f"device{'s' if count > 1 else ''}"
+            + (f" (mesh {self.mesh_shape})" if count > 1 else "")
+            + ":"
+        )
+        return layouts.describe(model, self._runtime.placement, title)
+
     def prepare(self, model: keras.Model) -> keras.Model:
         """Check that `model` can run on this Accelerator: a `keras.Model` built and compiled
         in `scope()`, and a Keras that has every internal keras_accel relies on. `fit`,

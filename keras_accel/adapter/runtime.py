@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 from keras import ops
 
+from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.strategies import Plan
 
@@ -56,6 +58,17 @@ class Runtime:
     def variable_misplaced(self, variable) -> str | None:
         """Why `variable` was not made under this runtime (None: it was)."""
         return None
+
+    def placement(self, variable) -> Placement:
+        """Where `variable`'s array lies (`keras_accel.adapter.layouts`), read from the
+        array itself. The default: whole, on one device."""
+        value = variable.value
+        return Placement(
+            layout=self.plan.devices[0],
+            per_device_shape=tuple(variable.shape),
+            num_devices=1,
+            itemsize=np.dtype(value.dtype).itemsize,
+        )
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         """What this backend changes on `model` for one call, recorded in `patches`."""

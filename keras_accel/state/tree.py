@@ -50,7 +50,8 @@ def variables(model, legacy: bool = False) -> dict[str, keras.Variable]:
 
     groups = {
         "model": list(model.variables),
-        "optimizer": list(model.optimizer.variables) if model.optimizer is not None else [],
+        # An uncompiled model has no `optimizer` attribute at all.
+        "optimizer": list(getattr(model, "optimizer", None) and model.optimizer.variables or []),
         "metrics": list(model.metrics_variables),
         "seed": [],
     }

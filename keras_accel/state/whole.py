@@ -36,23 +36,8 @@ from collections.abc import Iterator
 
 import keras
 
+from keras_accel.state import tree
 from keras_accel.utils import keras_internals
-
-
-def _variables(model) -> list:
-    """The model's variables, its optimizer's and its metrics', each once."""
-    found, seen = [], set()
-    groups = [model.variables]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        groups.append(optimizer.variables)
-    groups.append(getattr(model, "metrics_variables", []))
-    for group in groups:
-        for variable in group:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                found.append(variable)
-    return found
 
 
 def _unreadable(variable) -> bool:
@@ -84,7 +69,7 @@ def whole_values(model) -> Iterator[None]:
 
     # Every process finds the same variables in the same order (the same model on each):
     # the gathers below pair up across processes.
-    split = [variable for variable in _variables(model) if _unreadable(variable)]
+    split = [v for v in tree.variables(model).values() if _unreadable(v)]
     if not split:
         yield
         return

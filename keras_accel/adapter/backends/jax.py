@@ -11,6 +11,7 @@ import numpy as np
 from keras import distribution as kd
 
 from keras_accel.adapter import runtime
+from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import hub_layout_map
 from keras_accel.adapter.sharding import fully_sharded_axes, is_replicated
@@ -282,6 +283,26 @@ class Runtime(runtime.Runtime):
         if placed >= self._devices:
             return None
         return f"lives on {len(placed)} device(s)"
+
+    def placement(self, variable) -> Placement:
+        """Where `variable`'s `jax.Array` lies: its sharding's spec ("replicated" where it
+        splits nothing), the block each device holds, over how many devices."""
+        value = variable.value
+        sharding = value.sharding
+        spec = getattr(sharding, "spec", None)
+        if spec is not None and any(axis is not None for axis in spec):
+            layout = str(spec)
+        elif len(sharding.device_set) > 1:
+            layout = "replicated"
+        else:
+            device = next(iter(sharding.device_set))
+            layout = f"{device.platform}:{device.id}"
+        return Placement(
+            layout=layout,
+            per_device_shape=tuple(sharding.shard_shape(value.shape)),
+            num_devices=len(sharding.device_set),
+            itemsize=value.dtype.itemsize,
+        )
 
     def callbacks(self) -> list:
         """Callbacks each Keras call of ours runs beside the user's.

@@ -15,6 +15,7 @@ from keras_accel.adapter.backends.tensorflow.reduction import (
     install_reduce_logs,
 )
 from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
+from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
@@ -55,6 +56,24 @@ class Runtime(runtime.Runtime):
         if strategy is self.native:
             return None
         return "is a plain variable" if strategy is None else "belongs to another strategy"
+
+    def placement(self, variable) -> Placement:
+        """Where `variable`'s tf.Variable lies: "mirrored" (a whole copy on each replica's
+        device) under a strategy, else the one device it is on."""
+        value = variable.value
+        components = getattr(value, "values", None)  # A distributed variable's copies.
+        if isinstance(components, (tuple, list)) and len(components) > 1:
+            layout, count = "mirrored", len(components)
+        else:
+            spec = tf.DeviceSpec.from_string(value.device or "")
+            kind = (spec.device_type or "cpu").lower()
+            layout, count = f"{kind}:{spec.device_index or 0}", 1
+        return Placement(
+            layout=layout,
+            per_device_shape=tuple(variable.shape),
+            num_devices=count,
+            itemsize=value.dtype.size,
+        )
 
     def make_function(self, model, kind: str):
         """Keras's step function for `kind`, or ours where Keras's cannot run: N > 1 fused
