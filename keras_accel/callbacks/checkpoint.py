@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import keras
+import numpy as np
 
 from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks import _saving
@@ -34,7 +35,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - any path: a local path or a URL (`gs://`, `s3://`, `memory://`). Keras writes a
       local temporary file, which is renamed (local) or uploaded (URL) over the target,
       so a crash never leaves a half-written file under the final name;
-    - batches that `BackupAndRestore` replays after a mid-epoch resume are not saved.
+    - batches that `BackupAndRestore` replays after a mid-epoch resume are not saved, and
+      `best` (what `save_best_only` compares with) is saved with each backup and restored
+      with it: a resumed run keeps only what beats the best of the run before.
 
     `.keras` files load back with `keras.saving.load_model(path)` in Keras's safe mode; for
     a URL, fetch it with `keras_accel.state.files.local_copy(path)` first.
@@ -94,6 +97,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.max_to_keep = max_to_keep
         self._kept: list[str] | None = None
         self._epoch: int | None = None  # Kept here: Keras's own (`_current_epoch`) is private.
+        self._ended: int | None = None  # The last epoch whose end this callback has seen.
+        # Its state's key in a backup: one per file pattern, so that several checkpoints of
+        # one fit (weights and whole model, say) each get their own `best` back.
+        self.state_key = f"ModelCheckpoint:{self.filepath}"
 
     def fusion_period(self, kind: str, steps: int | None) -> int | None:
         """Host-loop fusion (`keras_accel.adapter.protocol`): Keras counts `save_freq=N`
@@ -108,6 +115,32 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         super().on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._ended = epoch
+
+    def state_dict(self) -> dict:
+        """`best`, the monitored value of the file `save_best_only` kept last, for
+        `BackupAndRestore` to save with each backup (`keras_accel.adapter.protocol`): a
+        resumed run saves only what beats it, as the uninterrupted run would.
+
+        A backup taken at an epoch's end before this callback's `on_epoch_end` ran (the
+        backup's callback first) holds the best including that epoch, which this callback
+        is about to save by Keras's rule."""
+        best = self.best
+        ending = run_context(self._model).epoch_end if self._model is not None else None
+        if ending is not None and self.save_best_only and self.save_freq == "epoch":
+            epoch, logs = ending
+            current = (logs or {}).get(self.monitor)
+            pending = epoch != self._ended and current is not None and np.ndim(current) == 0
+            if pending and keras_internals.monitor_improves(self, current, best):
+                best = current
+        return {"best": None if best is None else float(best)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from the `best` a backup saved."""
+        self.best = state.get("best", self.best)
 
     def on_train_batch_end(self, batch, logs=None):
         if run_context(self._model).replaying(self._epoch, batch):

@@ -195,6 +195,18 @@ REQUIRED: list[Internal] = [
         _public("keras.callbacks.ModelCheckpoint"),
     ),
     Internal(
+        "keras.callbacks.ModelCheckpoint",
+        "_set_monitor_op",
+        "ModelCheckpoint's best value in a backup",
+        _public("keras.callbacks.ModelCheckpoint"),
+    ),
+    Internal(
+        "keras.callbacks.ModelCheckpoint",
+        "_is_improvement",
+        "ModelCheckpoint's best value in a backup",
+        _public("keras.callbacks.ModelCheckpoint"),
+    ),
+    Internal(
         "keras.callbacks.Callback()",
         "_model",
         "a callback's model",
@@ -611,6 +623,15 @@ def set_variable_layout(variable, layout) -> None:
     """Lay `variable` out as `layout` (JAX: the next assignment places it there)."""
     variable_layout(variable)
     variable._layout = layout
+
+
+def monitor_improves(callback, current, reference) -> bool:
+    """Whether `current` improves on `reference` by a Keras monitor callback's own rule
+    (`_is_improvement`: its mode, its `min_delta`), its direction set first as Keras sets
+    it at the first epoch's end (`_set_monitor_op`)."""
+    if callback.monitor_op is None:
+        _holder("_set_monitor_op")._set_monitor_op(callback)
+    return bool(_holder("_is_improvement")._is_improvement(callback, current, reference))
 
 
 def callback_model(callback):

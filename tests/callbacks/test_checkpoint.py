@@ -187,3 +187,61 @@ def test_existing_directory_error_keeps_keras_wording(tmp_path):
         r"ModelCheckpoint\. Filepath used is an existing directory: .*dir\.keras",
     ):
         checkpoint.on_epoch_end(0, {"loss": 0.5})
+
+
+class _Scores(keras.callbacks.Callback):
+    """Puts a chosen `score` into each epoch's logs (before the checkpoint reads them), and
+    records the weights each epoch ended with."""
+
+    SCORES = [0.5, 0.3, 0.4, 0.35]  # Epoch 1 is the best; 2 and 3 are worse.
+
+    def __init__(self):
+        super().__init__()
+        self.weights = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["score"] = self.SCORES[epoch]
+        self.weights[epoch] = self.model.get_weights()
+
+
+@pytest.mark.parametrize("backup_first", [True, False], ids=["backup_first", "checkpoint_first"])
+def test_a_resumed_run_keeps_the_best_of_the_run_before(tmp_path, backup_first):
+    """`best` travels with the backup: after a resume at epoch 2 neither worse epoch
+    overwrites epoch 1's file, whichever callback's epoch end runs first."""
+    from keras_accel.callbacks import BackupAndRestore
+    from tests.helpers import Interrupt
+
+    # One backup callback for both runs, as in one process: the interrupted fit's lock is
+    # its own (Keras skips on_train_end when fit raises).
+    backup = BackupAndRestore(str(tmp_path / "backup"))
+
+    def run(scores, *extra):
+        keras.backend.clear_session(free_memory=False)
+        model = compiled_mlp()
+        checkpoint = ModelCheckpoint(
+            str(tmp_path / "best.weights.h5"),
+            monitor="score",
+            mode="min",
+            save_best_only=True,
+            save_weights_only=True,
+        )
+        every = ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"), save_weights_only=True)
+        pair = [backup, checkpoint, every] if backup_first else [checkpoint, every, backup]
+        x, y = data(40)
+        try:
+            model.fit(x, y, epochs=4, verbose=0, callbacks=[scores, *pair, *extra])
+        finally:
+            backup.wait()
+        return checkpoint
+
+    first, resumed = _Scores(), _Scores()
+    with pytest.raises(KeyboardInterrupt):
+        run(first, Interrupt(2))
+    checkpoint = run(resumed)
+    assert sorted(first.weights) == [0, 1] and sorted(resumed.weights) == [2, 3]
+    assert checkpoint.best == pytest.approx(0.3)
+    saved = compiled_mlp()
+    saved.load_weights(str(tmp_path / "best.weights.h5"))
+    # Still epoch 1's file: the epochs after the resume were not better.
+    for got, want in zip(saved.get_weights(), first.weights[1]):
+        np.testing.assert_array_equal(got, want)
