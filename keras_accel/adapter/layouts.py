@@ -8,18 +8,20 @@ of its metrics, against the whole.
 
 Example:
 
+A backend places each variable (`Runtime.placement`); here, a placement that splits every
+variable's first dimension over 2 devices, to show what the report adds up:
+
 >>> import keras
->>> from keras_accel import Accelerator
->>> acc = Accelerator(strategy="single")
->>> with acc.scope():
-...     model = keras.Sequential(
-...         [keras.Input((4,)), keras.layers.Dense(2, name="out")], name="net"
-...     )
->>> report = acc.describe(model)
->>> [(row.path, row.shape, row.per_device_shape, row.bytes_per_device) for row in report]
-[('net/out/kernel', (4, 2), (4, 2), 32), ('net/out/bias', (2,), (2,), 8)]
->>> report.bytes_per_device("model")
-40
+>>> from keras_accel.adapter import layouts
+>>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="out")], name="net")
+>>> def halves(variable):
+...     shape = (variable.shape[0] // 2, *variable.shape[1:])
+...     return layouts.Placement("P('batch')", shape, num_devices=2, itemsize=4)
+>>> report = layouts.describe(model, halves, "net, halved:")
+>>> [(row.path, row.per_device_shape, row.bytes_per_device) for row in report]
+[('net/out/kernel', (2, 2), 16), ('net/out/bias', (1,), 4)]
+>>> report.bytes_per_device("model"), report.total_bytes("model")
+(20, 40)
 """
 
 from __future__ import annotations
