@@ -9,9 +9,9 @@
 # (a 7 s test took 116 s beside JAX's multi-process tests un-niced), while JAX's run has time
 # to spare. Without extra pytest arguments (the whole suite) TensorFlow's run is two, side
 # by side, tests/adapter and the rest: the suite's TF run alone used about one core of the
-# two for its 40 minutes (user time 45 min in 41). Each run's output goes to its own log, printed whole when
-# that run ends (the first to finish first). KERAS_ACCEL_TEST_SEQUENTIAL=1 runs them one
-# after the other with their output as it comes; so does a single backend
+# two for its 40 minutes (user time 45 min in 41). Each run's output goes to its own log,
+# printed whole when that run ends (the first to finish first). KERAS_ACCEL_TEST_SEQUENTIAL=1
+# runs them one after the other with their output as it comes; so does a single backend
 # (KERAS_ACCEL_TEST_BACKENDS=jax).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,25 +66,24 @@ trap stop INT TERM
 started=$SECONDS
 set -m  # Each run in its own process group, so that stop() reaches its children too.
 lanes=()
-for backend in "${backends[@]}"; do
-  niceness=10
-  [ "$backend" = tensorflow ] && niceness=0
-  if [ "$backend" = tensorflow ] && [ "$#" -eq 0 ]; then
-    # The whole TF suite in two runs: one thread each, most of the time, so two fit.
-    NICENESS=0 run_backend tensorflow tests/adapter >"$logs/tensorflow-adapter.log" 2>&1 &
-    backend_of[$!]=tensorflow-adapter
-    pids+=("$!")
-    lanes+=("tensorflow-adapter")
-    NICENESS=0 run_backend tensorflow --ignore=tests/adapter >"$logs/tensorflow-rest.log" 2>&1 &
-    backend_of[$!]=tensorflow-rest
-    pids+=("$!")
-    lanes+=("tensorflow-rest")
-    continue
-  fi
-  NICENESS=$niceness run_backend "$backend" "$@" >"$logs/$backend.log" 2>&1 &
-  backend_of[$!]=$backend
+start_lane() {  # name niceness backend [pytest args]: one pytest run in the background.
+  local name=$1 niceness=$2
+  shift 2
+  NICENESS=$niceness run_backend "$@" >"$logs/$name.log" 2>&1 &
+  backend_of[$!]=$name
   pids+=("$!")
-  lanes+=("$backend")
+  lanes+=("$name")
+}
+for backend in "${backends[@]}"; do
+  if [ "$backend" != tensorflow ]; then
+    start_lane "$backend" 10 "$backend" "$@"
+  elif [ "$#" -eq 0 ]; then
+    # The whole TF suite in two runs: one thread each, most of the time, so two fit.
+    start_lane tensorflow-adapter 0 tensorflow tests/adapter
+    start_lane tensorflow-rest 0 tensorflow --ignore=tests/adapter
+  else
+    start_lane tensorflow 0 tensorflow "$@"
+  fi
 done
 set +m
 echo "=== ${lanes[*]} side by side, 8 virtual CPU devices each (logs in $logs)"

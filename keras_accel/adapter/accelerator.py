@@ -450,20 +450,15 @@ class Accelerator:
         net/out/bias    (2,)    float32  ...:0   (2,)          8 B
         per device: model 40 B of 40 B
         """
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
+        _check_is_model(model)
         if not model.built:
             raise ValueError(
                 f"Model {model.name!r} has no variables yet: build it first (give it a "
                 "`keras.Input`, or call it on a batch), then describe it."
             )
         count = len(self.devices)
-        title = (
-            f"{model.name} under {self.strategy_name} on {count} "
-            f"device{'s' if count > 1 else ''}"
-            + (f" (mesh {self.mesh_shape})" if count > 1 else "")
-            + ":"
-        )
+        where = f"{count} devices (mesh {self.mesh_shape})" if count > 1 else "1 device"
+        title = f"{model.name} under {self.strategy_name} on {where}:"
         return layouts.describe(model, self._runtime.placement, title)
 
     def prepare(self, model: keras.Model) -> keras.Model:
@@ -471,8 +466,7 @@ class Accelerator:
         in `scope()`, and a Keras that has every internal keras_accel relies on. `fit`,
         `evaluate` and `predict` call this. It changes nothing on the model: what those
         calls install lasts exactly as long as they run."""
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
+        _check_is_model(model)
         keras_internals.check_model(model)
         runtime = self._runtime
         if runtime.native is None:
@@ -857,6 +851,11 @@ def _symbolic_text(leaf):
     if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "OUS":
         return keras.KerasTensor(leaf.shape, "string")
     return leaf
+
+
+def _check_is_model(model) -> None:
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"Expected a keras.Model. Received: {type(model).__name__}")
 
 
 def _variables_by_stage(model):

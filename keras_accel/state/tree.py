@@ -48,10 +48,10 @@ def variables(model, legacy: bool = False) -> dict[str, keras.Variable]:
     """
     from keras_accel.utils import keras_internals
 
+    optimizer = getattr(model, "optimizer", None)  # An uncompiled model has no attribute.
     groups = {
         "model": list(model.variables),
-        # An uncompiled model has no `optimizer` attribute at all.
-        "optimizer": list(getattr(model, "optimizer", None) and model.optimizer.variables or []),
+        "optimizer": list(optimizer.variables) if optimizer is not None else [],
         "metrics": list(model.metrics_variables),
         "seed": [],
     }
