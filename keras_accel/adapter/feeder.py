@@ -39,7 +39,8 @@ class Feeder:
         a Python generator or a Grain data set) with its targets and weights, for training
         (`remainder` says what a short last batch does) or for evaluation and prediction
         (every row, the last batch padded). `own_files`: several processes each read their
-        own files of a file-backed tf.data pipeline where they all can."""
+        own files of a file-backed tf.data pipeline, or their own rows of a batched Grain
+        `MapDataset`, where they all can."""
         if not training:
             remainder = "pad"  # Evaluation and prediction must see every row.
         if not sources.is_array_input(x):
@@ -89,9 +90,14 @@ class Feeder:
                 class_weight=class_weight,
             )
         elif sources.is_generator(x) or sources.is_grain_dataset(x):
-            batches = sources.IterableBatches(
-                x, num_replicas=self.num_replicas, remainder=remainder, training=training
-            )
+            batches = None
+            if own_files and self.num_processes > 1 and sources.is_grain_dataset(x):
+                # Every process reads only its rows of each batch where it can (all agree).
+                batches = self.runtime.own_rows(x, self.num_replicas, remainder, training)
+            if batches is None:
+                batches = sources.IterableBatches(
+                    x, num_replicas=self.num_replicas, remainder=remainder, training=training
+                )
         else:
             if x is None:
                 raise ValueError(f"`x` is required. Supported inputs: {sources.SUPPORTED_INPUTS}.")

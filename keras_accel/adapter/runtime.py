@@ -98,6 +98,11 @@ class Runtime:
         """This process's own files of a file-backed pipeline, or None (read it all)."""
         return None
 
+    def own_rows(self, source, num_replicas: int, remainder: str, training: bool):
+        """The feeder's batches of a Grain data set that every process reads only its own
+        rows of (`keras_accel.data.grain.process_share`), or None (read it all)."""
+        return None
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         """What `model.fit` takes for the feeder's `batches`."""
         raise NotImplementedError(f"{type(self).__name__}.wrap")

@@ -280,6 +280,14 @@ def pad_batch(
     return map_structure(pad, x), map_structure(pad, y), pad_rows(weights, rows), mask
 
 
+def padding_like(batch: tuple) -> tuple:
+    """A batch of padding only, shaped as `batch` (`(x, y, sample_weight, row_mask)`,
+    numpy): zeros everywhere, row mask 0. What a process whose own data has ended feeds
+    while another's has not, so that every process runs every step."""
+    zeros = lambda a: np.zeros_like(a)  # noqa: E731
+    return tuple(map_structure(zeros, part) for part in batch)
+
+
 def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
     """The common row count of named structures; a clear error when they disagree."""
     lengths = {}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_accel.data.batching import StreamPlan, pack, static_batch_size
+from keras_accel.data.batching import StreamPlan, pack, padding_like, static_batch_size
 from keras_accel.data.sources import ArrayBatches, standardize_element
 from keras_accel.utils import keras_internals
 from keras_accel.utils.printing import print_msg
@@ -418,10 +418,7 @@ class ProcessFiles:
             step += 1
         if not ends.more(step):
             return
-        x, y, sample_weight, row_mask = self.first_batch()
-        zeros = lambda a: None if a is None else np.zeros_like(a)  # noqa: E731
-        padding = tuple(tf.nest.map_structure(zeros, t) for t in (x, y, sample_weight))
-        padding = (*padding, np.zeros_like(row_mask))
+        padding = padding_like(self.first_batch())
         while True:
             yield padding
             step += 1

@@ -19,6 +19,12 @@ Every row the pipeline parses is counted by its file index (a `tf.py_function` i
 parse), so a test can see which files each process read. Each process writes
 WORKDIR/files-<process>.npz: its final weights, losses, evaluation, predictions and the
 counts, and the loop's.
+
+On JAX, a third model trains on a Grain `MapDataset` (44 rows in batches of 16: two
+processes each read their own 8 rows of every batch, 8 and 4 of the last), then evaluates
+and predicts over one of 36 rows (the last batch's 4 rows all process 0's): each row a
+process reads is recorded by index (`grain_read` in the npz). The custom loop trains a
+fourth model one epoch over the same training set.
 """
 
 import argparse
@@ -108,6 +114,47 @@ for batch in loop.batches(dataset("train")):
 loop_train = loop.results()
 loop_eval = loop.evaluate(dataset("eval"))
 counts["loop"] = dict(read)
+grained = {}
+if keras.backend.backend() == "jax":
+    import grain
+
+    class Rows:
+        """A random-access source whose reads are recorded (`grain_read`)."""
+
+        def __init__(self, seed, rows):
+            generator = np.random.default_rng(seed)
+            self.x = generator.normal(size=(rows, 6)).astype("float32")
+            self.y = generator.integers(0, 3, size=(rows,)).astype("int32")
+            self.read = []
+
+        def __len__(self):
+            return len(self.y)
+
+        def __getitem__(self, i):
+            self.read.append(int(i))
+            return self.x[i], self.y[i]
+
+    train_rows, eval_rows = Rows(20, 44), Rows(21, 36)
+    grain_model = compiled_model()
+    train_set = grain.MapDataset.source(train_rows).batch(16)
+    grain_fit = acc.fit(grain_model, train_set, epochs=2, verbose=0)
+    eval_set = grain.MapDataset.source(eval_rows).batch(16)
+    eval_x = grain.MapDataset.source(eval_rows).map(lambda row: row[0]).batch(16)
+    grained = dict(
+        grain_loss=np.asarray(grain_fit.history["loss"]),
+        grain_evaluation=np.asarray(acc.evaluate(grain_model, eval_set, verbose=0)),
+        grain_predictions=acc.predict(grain_model, eval_x, verbose=0),
+        **{f"grain_w{i}": np.asarray(v.value) for i, v in enumerate(grain_model.weights)},
+    )
+    grain_looped = compiled_model()  # The custom loop over the same batches: one epoch.
+    grain_loop = acc.loop(grain_looped)
+    for batch in grain_loop.batches(train_set):
+        grain_loop.train_step(batch)
+    grained["grain_read"] = json.dumps({"train": train_rows.read, "eval": eval_rows.read})
+    grained.update(
+        {f"grain_loop_w{i}": np.asarray(v.value) for i, v in enumerate(grain_looped.weights)}
+    )
+
 me = acc.process_index
 np.savez(
     os.path.join(args.workdir, f"files-{me}.npz"),
@@ -119,5 +166,6 @@ np.savez(
     counts=json.dumps({k: {str(f): n for f, n in v.items()} for k, v in counts.items()}),
     **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
     **{f"loop_w{i}": np.asarray(v.value) for i, v in enumerate(looped.weights)},
+    **grained,
 )
 print(f"process {me} of {acc.num_processes}: done", flush=True)

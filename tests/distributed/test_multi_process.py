@@ -279,7 +279,7 @@ def test_each_process_reads_only_its_files(tmp_path):
         assert set(counts["loop"]) == {str(process)}, counts  # acc.loop too.
     assert set(json.loads(str(reference["counts"]))["train"]) == {"0", "1"}
     for key in first:
-        if key != "counts":
+        if key not in ("counts", "grain_read"):  # What each process read is its own.
             np.testing.assert_array_equal(first[key], second[key], err_msg=key)
     assert_same(first, reference, TOLERANCE)
     loop_weights = [k for k in sorted(first, key=lambda k: (len(k), k)) if k.startswith("loop_w")]
@@ -294,6 +294,32 @@ def test_each_process_reads_only_its_files(tmp_path):
     order = lambda p: p[np.lexsort(p.T[::-1])]  # noqa: E731
     np.testing.assert_allclose(
         order(first["predictions"]), order(reference["predictions"]), atol=10 * TOLERANCE
+    )
+    if BACKEND == "jax":
+        _assert_grain_rows_shared(first, second, reference)
+
+
+def _assert_grain_rows_shared(first, second, reference):
+    """A batched Grain MapDataset over two processes: each read only its block of every
+    batch of 16 (rows 0-7 or 8-15 of it; the last evaluation batch's 4 rows are process
+    0's), and training (fit and acc.loop), evaluation and predictions (in order) equal one
+    process's."""
+    for process, result in enumerate((first, second)):
+        read = json.loads(str(result["grain_read"]))
+        for kind, rows in (("train", 44), ("eval", 36)):
+            mine = {i for i in range(rows) if (i % 16) // 8 == process}
+            assert set(read[kind]) == mine, (process, kind, sorted(read[kind]))
+    assert set(json.loads(str(reference["grain_read"]))["train"]) == set(range(44))
+    keys = sorted(k for k in first if k.startswith(("grain_w", "grain_loop_w")))
+    assert len(keys) == 2 * len([k for k in first if k.startswith("grain_w")]) > 0
+    for key in keys:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], reference[key], atol=TOLERANCE, err_msg=key)
+    for key in ("grain_loss", "grain_evaluation"):
+        np.testing.assert_allclose(first[key], reference[key], atol=10 * TOLERANCE, err_msg=key)
+    assert first["grain_predictions"].shape == (36, 3)
+    np.testing.assert_allclose(
+        first["grain_predictions"], reference["grain_predictions"], atol=10 * TOLERANCE
     )
 
 

@@ -249,6 +249,23 @@ class Runtime(runtime.Runtime):
             own = None  # This process's devices hold another share than 1/count of a batch.
         return own if agree_all(own is not None) else None
 
+    def own_rows(self, source, num_replicas: int, remainder: str, training: bool):
+        """A batched Grain `MapDataset` that every process reads only its own rows of: the
+        block of each global batch that its devices hold (`keras_accel.data.grain.
+        process_share`), where every process can; else None (each reads it all, and keeps
+        its rows of each batch)."""
+        from keras_accel.data import grain
+
+        count = jax.process_count()
+        static_rows = grain.shared_static_rows(source, count, num_replicas, remainder)
+        rows = None if static_rows is None else self.process_rows(static_rows)
+        block = None if static_rows is None else static_rows // count
+        fits = rows is not None and rows.stop - rows.start == block and rows.start % block == 0
+        if not agree_all(fits):
+            return None
+        position = rows.start // block
+        return grain.process_share(source, count, position, num_replicas, remainder, training)
+
     def process_rows(self, static_rows: int) -> slice | None:
         """The rows of a global batch that this process feeds, in a multi-process run
         (None in one process): those its devices hold under the data layout."""
