@@ -45,6 +45,7 @@ if args.devices is not None:
     keras_accel.configure_virtual_cpu_devices(args.devices)
 
 import keras  # noqa: E402
+from _model import compiled_classifier  # noqa: E402  (this folder: scripts run as scripts)
 
 from keras_accel import Accelerator  # noqa: E402
 
@@ -80,21 +81,7 @@ def dataset(kind):
 
 
 def compiled_model():
-    with acc.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(16, activation="relu"),
-                keras.layers.BatchNormalization(),
-                keras.layers.Dense(3),
-            ]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.05, momentum=0.9),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    return model
+    return compiled_classifier(acc)
 
 
 model = compiled_model()

@@ -41,6 +41,7 @@ if args.devices is not None:
     keras_accel.configure_virtual_cpu_devices(args.devices)
 
 import keras  # noqa: E402
+from _model import compiled_classifier  # noqa: E402  (this folder: scripts run as scripts)
 
 from keras_accel import Accelerator  # noqa: E402
 from keras_accel.callbacks import (  # noqa: E402
@@ -82,20 +83,7 @@ class Events(keras.callbacks.Callback):
             time.sleep(0.3)
 
 
-with acc.scope():
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(3),
-        ]
-    )
-    model.compile(
-        keras.optimizers.SGD(0.05, momentum=0.9),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+model = compiled_classifier(acc)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(100, 6)).astype("float32")
 y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")

@@ -22,13 +22,23 @@ def global_result(metric, result):
         tf.VariableAggregation.MEAN: tf.distribute.ReduceOp.MEAN,
     }
     values = []
-    for variable in metric.variables:
+    grouped: dict = {}  # (operation, dtype) -> indices of the variables it reduces
+    for i, variable in enumerate(metric.variables):
         operation = operations.get(getattr(variable.value, "aggregation", None))
         # tf.identity places the read on this replica's device: a read of a metric's
         # variable carries none under MultiWorkerMirroredStrategy, and its collective then
         # fails ("destinations can not be empty").
-        local = tf.identity(tf.convert_to_tensor(variable.value))
-        values.append(local if operation is None else context.all_reduce(operation, local))
+        values.append(tf.identity(tf.convert_to_tensor(variable.value)))
+        if operation is not None:
+            grouped.setdefault((operation, values[-1].dtype), []).append(i)
+    # One all-reduce per operation and dtype: TF packs a list of one dtype into one
+    # collective per replica (it concatenates them), where one call per variable is one
+    # collective each (a metric's total and count: two), and every collective is a point
+    # all 8 CPU replicas meet at (docs/benchmarks.md).
+    for (operation, _), indices in grouped.items():
+        reduced = context.all_reduce(operation, [values[i] for i in indices])
+        for i, value in zip(indices, reduced):
+            values[i] = value
     with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
         return result()
 
