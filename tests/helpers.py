@@ -134,3 +134,39 @@ class Interrupt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == self.epoch:
             raise KeyboardInterrupt
+
+
+def library_state(prefixes=("keras", "tensorflow", "jax")):
+    """What every class and module of Keras, TensorFlow and JAX holds, as `{(owner, name,
+    is_class): id(value)}`: the classes and modules loaded now, their own attributes
+    (`vars`). Compare two with `changed_library_state`."""
+    import sys
+
+    state = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        try:
+            namespace = dict(vars(module))
+        except TypeError:
+            continue
+        for name, value in namespace.items():
+            state[(module_name, name, False)] = id(value)
+            if isinstance(value, type) and value.__module__ == module_name:
+                owner = f"{module_name}.{value.__qualname__}"
+                for attribute, member in list(vars(value).items()):
+                    state[(owner, attribute, True)] = id(member)
+    return state
+
+
+def changed_library_state(before, after):
+    """What `after` (a `library_state`) changed of `before`: `[(owner, name)]` replaced or
+    removed, and added to a class (which shadows what it inherits). Names added to a module
+    since (a submodule imported for the first time) are not changes to what it had."""
+    changed = {key[:2] for key, value in before.items() if after.get(key) != value}
+    classes = {key[0] for key in before if key[2]}
+    added = (key for key in after.keys() - before.keys() if key[2] and key[0] in classes)
+    # Caches Python adds to a class when first asked: an empty `__annotations__` (3.10+),
+    # copyreg's `__slotnames__` (a first copy or pickle of an instance).
+    changed |= {key[:2] for key in added if key[1] not in ("__annotations__", "__slotnames__")}
+    return sorted(changed)

@@ -45,7 +45,7 @@ class FunctionCache:
         # Everything a compiled step closes over that a user can change between calls.
         n = getattr(model, "steps_per_execution", 1)
         if runtime is not None and runtime.reads_steps_per_execution(model, kind):
-            n = "N > 1"  # A function that reads N at each call: one for every N > 1.
+            n = "read at each call"  # One function serves every N it runs.
         return (
             kind,
             contract,

@@ -193,10 +193,10 @@ def install_metric_masks(patches: Patches, model) -> None:
             if metric is not None:
                 patches.set(metric, "update_state", _unscaled_update(metric.update_state))
 
-    _after_build(patches, compiled, install)
+    after_build(patches, compiled, install)
 
 
-def _after_build(patches: Patches, container, install: Callable) -> None:
+def after_build(patches: Patches, container, install: Callable) -> None:
     """Run `install` now if `container` (Keras's CompileMetrics or CompileLoss) is built,
     else right after Keras builds it (at the first trace, where Keras defers building)."""
     if container.built:
@@ -255,7 +255,7 @@ def install_global_results(patches: Patches, model, global_result: Callable) -> 
     install(model.metrics)
     for container in (keras_internals.compile_metrics(model), keras_internals.compile_loss(model)):
         if container is not None:
-            _after_build(patches, container, lambda c=container: install(c.metrics))
+            after_build(patches, container, lambda c=container: install(c.metrics))
 
 
 def _leaf_metrics(metrics):
@@ -296,7 +296,7 @@ def install_loss_trackers(patches: Patches, model) -> None:
             if metric is not None:
                 patches.set(metric, "update_state", _row_weighted_update(metric.update_state))
 
-    _after_build(patches, compile_loss, install)
+    after_build(patches, compile_loss, install)
 
 
 def _row_weighted_update(original):

@@ -136,7 +136,9 @@ _RNG_UTILS = _first(_module_of("keras.utils.set_random_seed"), _module("keras.sr
 _SEED_GENERATOR = _first(
     _module_of("keras.random.SeedGenerator"), _module("keras.src.random.seed_generator")
 )
-_LOSS = _first(_module_of("keras.losses.Loss"), _module("keras.src.losses.loss"))
+_LOSS_BACKEND = _first(
+    _globals_of("keras.losses.Loss.__call__", "backend"), _module("keras.src.backend")
+)
 _COMPILE_METRICS = _first(
     _globals_of("keras.Model.compile", "CompileMetrics"),
     lambda: _module("keras.src.trainers.compile_utils")().CompileMetrics,
@@ -246,28 +248,28 @@ VARIABLE_ATTRIBUTES = {"_layout": "a variable's layout over the device mesh"}
 # Only where TensorFlow is the backend (checked by `check()` then).
 REQUIRED_TENSORFLOW: list[Internal] = [
     Internal(
-        "keras.losses.Loss's module",
-        "scale_loss_for_distribution",
-        "global-batch losses on TF",
-        _LOSS,
-    ),
-    Internal(
-        "keras.losses.Loss's module",
-        "unscale_loss_for_distribution",
-        "global-batch losses on TF",
-        _LOSS,
-    ),
-    Internal(
         "the TF optimizer base in keras.optimizers.Optimizer.__mro__",
         "_all_reduce_sum_gradients",
-        "averaged gradients",
+        "the replicas' gradients summed before clipping",
         _TF_OPTIMIZER,
     ),
     Internal(
-        "the TF optimizer base in keras.optimizers.Optimizer.__mro__",
-        "apply",
-        "averaged gradients",
-        _TF_OPTIMIZER,
+        "keras.Model",
+        "_compute_loss",
+        "the loss a custom step reports on TF",
+        _public("keras.Model"),
+    ),
+    Internal(
+        "keras.losses.Loss.__call__'s backend",
+        "get_keras_mask",
+        "a loss's mask, kept where its values are rescaled",
+        _LOSS_BACKEND,
+    ),
+    Internal(
+        "keras.losses.Loss.__call__'s backend",
+        "set_keras_mask",
+        "a loss's mask, kept where its values are rescaled",
+        _LOSS_BACKEND,
     ),
     Internal(
         "keras.Model",
@@ -278,7 +280,7 @@ REQUIRED_TENSORFLOW: list[Internal] = [
     Internal(
         "the TF trainer's module (in keras.Model.__mro__)",
         "reduce_per_replica",
-        "fused steps on TF; multi-worker logs",
+        "fused steps on TF",
         _module_of_class(_BACKEND_TRAINER),
     ),
 ]
@@ -403,18 +405,6 @@ def flatten_layers(model, include_self: bool = True) -> list:
 def distribute_strategy_of(model):
     """The tf.distribute strategy a model was created under (None outside any)."""
     return require(model, "_distribute_strategy", "which strategy a model belongs to")
-
-
-def loss_module():
-    """Keras's loss helpers, whose replica scaling keras_accel replaces on TF."""
-    return _holder("scale_loss_for_distribution")
-
-
-def tf_optimizer_class():
-    """The TensorFlow backend's optimizer class, which every Keras optimizer derives from on
-    TF (in `keras.optimizers.Optimizer.__mro__`, the one defining `_all_reduce_sum_gradients`;
-    `TFOptimizer` up to Keras 3.16 at least)."""
-    return _holder("_all_reduce_sum_gradients")
 
 
 def reduce_per_replica():
@@ -686,12 +676,38 @@ def replace_tf_symbolic_build(patches, model) -> None:
     patches.set(model, "_maybe_symbolic_build", build)
 
 
-def replace_all_reduce_sum_gradients(patches, optimizer_class, function: Callable) -> Callable:
-    """TF: for the duration of `patches`, `optimizer_class._all_reduce_sum_gradients` is
-    `function`; returns the one it replaces."""
-    original = require(optimizer_class, "_all_reduce_sum_gradients", "averaged gradients")
-    patches.set(optimizer_class, "_all_reduce_sum_gradients", function)
-    return original
+def replace_all_reduce_sum_gradients(patches, optimizer, function: Callable) -> None:
+    """TF: for the duration of `patches`, `optimizer` (the instance) reduces its gradients
+    across replicas with `function(grads_and_vars)` instead of Keras's sum."""
+    require(optimizer, "_all_reduce_sum_gradients", "the replicas' gradients summed")
+    patches.set(optimizer, "_all_reduce_sum_gradients", function)
+
+
+def replace_compute_loss(patches, model, make: Callable) -> None:
+    """For the duration of `patches`, `model`'s loss goes through `make(keras_compute_loss,
+    compute_loss)`'s pair: the first is what Keras's own steps call (`_compute_loss`, which
+    then calls `compute_loss`), the second what a custom step calls (`compute_loss`)."""
+    keras_step_loss = require(model, "_compute_loss", "the loss a custom step reports on TF")
+    in_keras_step, compute_loss = make(keras_step_loss, model.compute_loss)
+    patches.set(model, "_compute_loss", in_keras_step)
+    patches.set(model, "compute_loss", compute_loss)
+
+
+def compiled_losses(compile_loss) -> list:
+    """The loss objects a built `CompileLoss` applies, one per output (`_flat_losses`: each
+    `(path, loss, weight, name)`; functions are wrapped as Keras loss objects there)."""
+    flat = require(compile_loss, "_flat_losses", "the compiled losses") or []
+    return [entry[1] for entry in flat]
+
+
+def keras_mask(tensor):
+    """The Keras mask a tensor carries (what `keras.losses.Loss` reads from its values)."""
+    return _LOSS_BACKEND().get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """Give `tensor` the Keras mask `mask` (None: none)."""
+    _LOSS_BACKEND().set_keras_mask(tensor, mask)
 
 
 def tf_auto_shard_dataset() -> type:

@@ -282,13 +282,17 @@ def test_our_callbacks_leave_nothing_on_the_model(tmp_path):
     assert set(model.__dict__) == before, set(model.__dict__) ^ before
 
 
+SCALE = 2.0**24  # A float16 loss scale that overflows the tests' MLP's gradients.
+
+
 def test_float16_fit_scales_the_loss_and_every_replica_decides_alike():
-    # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16; its overflow
-    # check sees the replicas' averaged gradients, so all skip (or apply) the same step.
+    # Under mixed_float16 the optimizer is a LossScaleOptimizer; its overflow check sees
+    # the replicas' summed gradients, so all skip (or apply) the same step. The initial
+    # scale is one that overflows this model's float16 gradients.
     acc = Accelerator(seed=0, mixed_precision="float16")
     with acc.scope():
-        model = compiled_mlp(batchnorm=False)
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=SCALE)
+        model = compiled_mlp(optimizer=scaled, batchnorm=False)
     # 101 rows in batches of 16: the last batch's 5 real rows leave 5 of the 8 replicas
     # padding only, with zero gradients of their own.
     x, y = data(101)
@@ -296,9 +300,9 @@ def test_float16_fit_scales_the_loss_and_every_replica_decides_alike():
     assert all(np.isfinite(history.history["loss"]))
     assert all(np.isfinite(w).all() for w in model.get_weights())
     optimizer = model.optimizer
-    # Some of the 14 steps overflowed (from the initial scale of 2**15) and were skipped ...
+    # Some of the 14 steps overflowed (from the initial scale) and were skipped ...
     assert 0 < int(np.asarray(optimizer.iterations)) < 14
-    assert float(np.asarray(optimizer.dynamic_scale)) < 2.0**15
+    assert float(np.asarray(optimizer.dynamic_scale)) < SCALE
     # ... by every replica alike: each holds the same scale, counters and weights.
     assert_replicas_agree(optimizer.variables, acc.num_replicas, exact=True)
     assert_replicas_agree(model.weights, acc.num_replicas)

@@ -9,28 +9,17 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, weights_of
+from tests.helpers import (
+    FEW_REPLICAS,
+    assert_weights_close,
+    changed_library_state,
+    compiled_mlp,
+    data,
+    library_state,
+    weights_of,
+)
 
 TIMEOUT_S = 300  # A wait that fails the test instead of hanging it, on a loaded machine.
-
-
-def _keras_attributes(backend):
-    """The class and module attributes an Accelerator call may replace while it runs."""
-    if backend != "tensorflow":
-        return {}
-    from keras_accel.utils import keras_internals
-
-    losses = keras_internals.loss_module()
-    optimizer = keras_internals.tf_optimizer_class()
-    trainer = keras_internals.tf_trainer_module()
-    return {
-        "apply": vars(optimizer).get("apply"),
-        "_all_reduce_sum_gradients": vars(optimizer).get("_all_reduce_sum_gradients"),
-        "LossScaleOptimizer.apply": vars(keras.optimizers.LossScaleOptimizer).get("apply"),
-        "scale": losses.scale_loss_for_distribution,
-        "unscale": losses.unscale_loss_for_distribution,
-        "reduce_per_replica": trainer.reduce_per_replica,
-    }
 
 
 class _Hook(keras.callbacks.Callback):
@@ -77,7 +66,6 @@ def _fresh_pair(seed):
 
 
 def test_two_accelerator_fits_in_two_threads_end_as_alone_and_leave_keras_as_it_was(backend):
-    before = _keras_attributes(backend)
     inputs = [data(96, seed=1), data(80, seed=2)]
 
     def fit(acc, model, x, y, callbacks=()):
@@ -97,6 +85,7 @@ def test_two_accelerator_fits_in_two_threads_end_as_alone_and_leave_keras_as_it_
         acc, model = _fresh_pair(seed)
         fit(acc, model, x, y)
         alone.append(weights_of(model))
+    before = library_state()  # After the runs alone: what Keras made the first time is made.
 
     (acc_a, model_a), (acc_b, model_b) = _fresh_pair(1), _fresh_pair(2)
     both_in_fit = threading.Barrier(2, timeout=TIMEOUT_S)
@@ -114,7 +103,7 @@ def test_two_accelerator_fits_in_two_threads_end_as_alone_and_leave_keras_as_it_
     _run([first, second])
     assert_weights_close(weights_of(model_a), alone[0])
     assert_weights_close(weights_of(model_b), alone[1])
-    assert _keras_attributes(backend) == before
+    assert changed_library_state(before, library_state()) == []
 
 
 class ReportsComputeLoss(keras.Sequential):

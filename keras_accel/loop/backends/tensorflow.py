@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from keras_accel.adapter.backends.tensorflow.losses import install_global_batch_losses
+from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
@@ -100,7 +100,7 @@ class Steps:
         with Patches() as patches:
             # While tracing: BatchNormalization over real rows, synchronized across replicas
             # (unless `sync_batchnorm=False`);
-            # the optimizer averages the replicas' gradients before clipping, as on JAX.
+            # the optimizer sums the replicas' gradients before clipping, as one device clips.
             install_batchnorm(
                 patches,
                 loop.model,
@@ -108,7 +108,7 @@ class Steps:
                 loop.accelerator.sync_batchnorm,
             )
             if self.runtime.num_replicas > 1:
-                install_global_batch_losses(patches, self.strategy)
+                install_summed_gradients(patches, [self.loop.optimizer])
             if group is not None:  # The count is a tensor: one program for every group.
                 return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
@@ -166,15 +166,14 @@ class Steps:
         loop = self.loop
         model = loop.model
         x, y, weights, mask = unpack(batch)
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         real = all_reduce_sum([tf.reduce_sum(mask)])[0]
         with tf.GradientTape() as tape:
             y_pred = self._forward(x, mask, training=True)
             per = per_example_losses(loop.loss, y, y_pred)
-            # This replica's share of the global batch's mean over real rows, times the
-            # replica count: the optimizer averages the replicas' gradients (see above), so
-            # their mean is the gradient of compute_average_loss's global mean.
-            value = replicas * tf.reduce_sum(per * weights) / tf.maximum(real, 1.0)
+            # This replica's share of the global batch's mean over real rows (what
+            # tf.nn.compute_average_loss gives): the optimizer sums the replicas' gradients
+            # (see above) into the gradient of that mean.
+            value = tf.reduce_sum(per * weights) / tf.maximum(real, 1.0)
             scaled = loop.optimizer.scale_loss(value)
         gradients = tape.gradient(scaled, model.trainable_variables)
         loop.optimizer.apply(gradients, model.trainable_variables)

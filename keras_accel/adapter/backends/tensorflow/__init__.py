@@ -6,8 +6,8 @@ One module per job:
 - `cluster`: the process's MultiWorkerMirroredStrategy, and what workers agree on;
 - `strategies`: the strategy each name builds (the registry's TensorFlow builders);
 - `runtime`: the `Runtime` around that strategy, and the distributed data sets it feeds;
-- `shared`: Keras's class and module attributes that running calls share;
-- `losses`: global-batch losses and the replicas' averaged gradients;
+- `gradients`: the replicas' gradients summed before the optimizer clips them;
+- `losses`: Keras's loss scaling made uniform, and the global batch's loss reported;
 - `reduction`: sums, metrics' global results and multi-worker logs across replicas;
 - `fused`: N steps in one `tf.function` (`steps_per_execution`);
 - `checks`: what TensorFlow refuses under a strategy, refused first in our words.

@@ -9,7 +9,7 @@ from keras_accel.adapter.backends.tensorflow.reduction import reduce_logs
 
 
 def fused_function(model, kind: str):
-    """Up to N train (or test) steps in one `tf.function`, as Keras's TF function for
+    """One train (or test) step, or up to N of them in one `tf.function`, as Keras's TF function for
     `steps_per_execution` = N, in a form that also runs under a tf.distribute strategy.
     N is the model's `steps_per_execution` at each call, a tensor of the program: one
     compiled program runs every N > 1 (as Keras's JAX function does), so that a call
@@ -68,8 +68,16 @@ def fused_function(model, kind: str):
         first = (tf.constant(1), iterator.get_next_as_optional(), outputs)
         return tf.while_loop(more, body, first)[2]
 
+    @tf.function
+    def single(iterator):
+        shapes.clear()
+        return one(next(iterator))
+
     def function(iterator):
-        return steps(iterator, tf.constant(int(model.steps_per_execution), tf.int32))
+        n = int(model.steps_per_execution)
+        if n == 1:  # A multi-worker step (`Runtime.make_function`): no loop, no look-ahead.
+            return single(iterator)
+        return steps(iterator, tf.constant(n, tf.int32))
 
     return function
 

@@ -1,5 +1,31 @@
-"""Global-batch losses on tf.distribute: every replica's loss is that of its own rows, and
-the optimizer averages the replicas' gradients (`install_global_batch_losses`)."""
+"""Keras's loss scaling on tf.distribute made uniform, and the global batch's loss reported.
+
+Keras divides each replica's loss by the replica count N (`scale_loss_for_distribution`, in
+a loss's reduction), so that the gradients its optimizer sums are the global batch's. Raw
+`MirroredStrategy` has two gaps there, both measured:
+
+- a loss whose function returns one number (`ops.mean(...)`) instead of a value per row is
+  not divided (Keras divides reduced per-row values only): its gradient counts N times, and
+  Keras's loss tracker reports it N times too large;
+- a custom step that reports the loss it computes, through `compute_loss` or through a loss
+  object it holds (as Keras's guides do), reports it divided by N.
+
+For the duration of an Accelerator call, on the instances only:
+
+- every loss of `compile()` and every Keras loss object the model holds as an attribute
+  hands Keras's reduction one value per row: a single number is repeated over the batch's
+  rows, which changes no mean, and Keras then divides it like any other;
+- `compute_loss` (Keras's own, where a custom step calls it) and those held loss objects
+  return the global batch's loss: N times the replica's share, with the share's gradient
+  (`share + stop_gradient((N - 1) * share)`). Gradients are Keras's, which the optimizer
+  sums (`gradients.py`); what the step reports is what one device reports.
+
+Keras's own steps report their loss through `unscale_loss_for_distribution` already:
+`compute_loss` called from one of them is left as it is, and so are the compiled losses. A
+loss function that is not a Keras loss object (`keras.losses.mean_squared_error` averaged by
+the step itself) is Keras's convention's to get right: as with raw `MirroredStrategy` it is
+not divided, and its gradient counts N times (docs/accelerator.md, "Custom steps").
+"""
 
 from __future__ import annotations
 
@@ -7,86 +33,102 @@ import contextvars
 
 import keras
 import tensorflow as tf
+from keras import ops
 
-from keras_accel.adapter.backends.tensorflow.shared import ours, share
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import after_build
 from keras_accel.utils import keras_internals
 
-_REDUCED: contextvars.ContextVar = contextvars.ContextVar("keras_accel_reduced", default=False)
+# The reductions Keras divides by the replica count (`keras.losses.Loss`'s reduce_values):
+# the means. "sum" and "none" are never divided.
+DIVIDED = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+# Set while Keras's own step computes its loss (its `_compute_loss`), which it reports
+# through `unscale_loss_for_distribution` itself.
+_IN_KERAS_STEP: contextvars.ContextVar = contextvars.ContextVar(
+    "keras_accel_in_keras_step", default=False
+)
 
 
-def install_global_batch_losses(patches: Patches, strategy) -> None:
-    """Make every replica's loss the loss of its own rows, as on JAX and on one device, and
-    average the gradients across replicas, under `strategy`, for the duration of `patches`.
-
-    Keras on `tf.distribute` divides each replica's loss by the replica count (so that the
-    gradients its optimizer sums across replicas add up to the global batch's), and divides
-    it back only for the loss tracker of its built-in steps. A custom `train_step` that
-    reports `compute_loss` as in Keras's guides therefore shows the loss divided by the
-    replica count, on TF only. Here losses are not divided, and the optimizer averages the
-    replicas' gradients instead of summing them: the same updates, and the same numbers on
-    both backends for built-in and custom steps. The average is taken before gradient
-    clipping and accumulation, so that `clipnorm` and `global_clipnorm` act on the global
-    batch's gradient, as on JAX and on one device.
-    """
-    share(patches, strategy, "global_batch_losses", _install_global_batch_losses)
+def replicas() -> int:
+    """The replica count Keras divides losses by: the strategy in scope's, as Keras reads it."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
 
 
-def _install_global_batch_losses(patches: Patches) -> None:
-    losses = keras_internals.loss_module()
+def global_value(share):
+    """The global batch's loss from a replica's share of it (Keras's, divided by the replica
+    count), with the share's gradient."""
+    n = replicas()
+    if n == 1:
+        return share
+    return share + ops.stop_gradient(ops.multiply(share, ops.cast(n - 1, share.dtype)))
 
-    def unscaled(original):
-        def scale(value):
-            return value if ours() else original(value)
 
-        return scale
+def install_uniform_losses(patches: Patches, model) -> None:
+    """For the duration of `patches` (see the module docstring): the model's compiled
+    losses and the Keras loss objects it holds are divided by the replica count whatever
+    they return, and a custom step sees `compute_loss` and those objects give the global
+    batch's loss."""
+    compiled = keras_internals.compile_loss(model)
+    done = {id(loss) for loss in keras.tree.flatten(getattr(model, "loss", None))}
+    done.add(id(compiled))  # Keras's own (a Loss too), and the losses given to compile().
+    for value in list(vars(model).values()):
+        if isinstance(value, keras.losses.Loss) and id(value) not in done:
+            done.add(id(value))  # Held twice, changed once.
+            patches.set(value, "call", _per_row(value, report=True))
+    if compiled is not None:
 
-    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
-        patches.set(losses, name, unscaled(getattr(losses, name)))
-    optimizer_class = keras_internals.tf_optimizer_class()
+        def install():
+            for loss in keras_internals.compiled_losses(compiled):
+                patches.set(loss, "call", _per_row(loss, report=False))
 
-    def averaging(original_apply):
-        def apply(self, grads, trainable_variables=None):
-            context = tf.distribute.get_replica_context()
-            if context is None or context.num_replicas_in_sync == 1 or _REDUCED.get() or not ours():
-                return original_apply(self, grads, trainable_variables)
-            grads = list(grads)
-            present = [i for i, g in enumerate(grads) if g is not None]
-            reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
-            for i, g in zip(present, reduced):
-                grads[i] = g
-            token = _REDUCED.set(True)
-            try:
-                return original_apply(self, grads, trainable_variables)
-            finally:
-                _REDUCED.reset(token)
+        after_build(patches, compiled, install)
+    if not _overrides_compute_loss(model):
+        keras_internals.replace_compute_loss(patches, model, _reporting)
 
-        return apply
 
-    def all_reduce_gradients(self, grads_and_vars):
-        if not ours():
-            return original_all_reduce(self, grads_and_vars)
-        grads_and_vars = list(grads_and_vars)
-        if _REDUCED.get():
-            return grads_and_vars  # Averaged in `apply` already.
-        context = tf.distribute.get_replica_context()
-        if context is None:
-            return grads_and_vars
-        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-        reduced = context.all_reduce(
-            tf.distribute.ReduceOp.MEAN, [grads_and_vars[i][0] for i in present]
-        )
-        for i, g in zip(present, reduced):
-            grads_and_vars[i] = (g, grads_and_vars[i][1])
-        return grads_and_vars
+def _overrides_compute_loss(model) -> bool:
+    """A class's own `compute_loss` decides its own scaling, as under raw MirroredStrategy
+    (Keras's docs override it with an undivided `ops.mean`)."""
+    return type(model).compute_loss is not keras.Model.compute_loss
 
-    patches.set(optimizer_class, "apply", averaging(optimizer_class.apply))
-    # LossScaleOptimizer (float16) has an apply of its own, which checks the gradients for
-    # overflow before its inner optimizer's: it must see the averaged ones too, so that every
-    # replica takes the same decision (and no all-reduce runs inside its cond).
-    loss_scale = keras.optimizers.LossScaleOptimizer
-    patches.set(loss_scale, "apply", averaging(loss_scale.apply))
-    # Keras's own, which the replacement calls outside our strategies (read as it goes in).
-    original_all_reduce = keras_internals.replace_all_reduce_sum_gradients(
-        patches, optimizer_class, all_reduce_gradients
-    )
+
+def _reporting(keras_compute_loss, compute_loss):
+    """`(Keras's _compute_loss, compute_loss)` -> theirs for this call: Keras's own steps
+    get the replica's share; a custom step calling `compute_loss`, the global value."""
+
+    def in_keras_step(*args, **kwargs):
+        token = _IN_KERAS_STEP.set(True)
+        try:
+            return keras_compute_loss(*args, **kwargs)
+        finally:
+            _IN_KERAS_STEP.reset(token)
+
+    def reported(*args, **kwargs):
+        share = compute_loss(*args, **kwargs)
+        if _IN_KERAS_STEP.get() or share is None:
+            return share
+        return global_value(share)
+
+    return in_keras_step, reported
+
+
+def _per_row(loss, report: bool):
+    """`loss.call` that returns a value per row (a number repeated over the batch's rows:
+    the same mean, which Keras's reduction then divides by the replica count), times the
+    replica count in value only where `report` and Keras divides it."""
+    original = loss.call
+
+    def call(y_true, y_pred):
+        values = original(y_true, y_pred)
+        if len(getattr(values, "shape", ())) == 0:
+            leaves = [leaf for leaf in keras.tree.flatten(y_pred) if len(leaf.shape) > 0]
+            if leaves:
+                values = ops.broadcast_to(values, ops.shape(leaves[0])[:1])
+        if report and loss.reduction in DIVIDED and replicas() > 1:
+            mask = keras_internals.keras_mask(values)
+            values = global_value(values)
+            keras_internals.set_keras_mask(values, mask)
+        return values
+
+    return call

@@ -6,8 +6,6 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_accel.adapter.backends.tensorflow.shared import running_under, share
-from keras_accel.adapter.patches import Patches
 from keras_accel.utils import keras_internals
 
 
@@ -51,7 +49,8 @@ def all_reduce_sum(tensors):
 
 
 def reduce_logs(values, strategy, reduction):
-    """Keras's `reduce_per_replica`, except for the logs of a multi-worker step.
+    """Keras's `reduce_per_replica`, except for the logs of a multi-worker step (our step
+    functions reduce with this; `Runtime.make_function` gives a multi-worker step ours).
 
     There Keras 3 reduces every log with `strategy.reduce("MEAN", v, axis=0)`, which fails
     for the scalar logs every step returns ("Invalid reduction dimension (0 for input with 0
@@ -61,10 +60,8 @@ def reduce_logs(values, strategy, reduction):
     their mean is that value; a custom step's own local logs get the mean over all workers,
     as MirroredStrategy gives them over its replicas.
     """
-    if (
-        reduction not in ("auto", "mean")
-        or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        or not running_under(strategy)
+    if reduction not in ("auto", "mean") or not isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
     ):
         return _KERAS_REDUCE(values, strategy, reduction)
     leaves = tf.nest.flatten(values)
@@ -92,15 +89,5 @@ def reduce_logs(values, strategy, reduction):
     return tf.nest.pack_sequence_as(values, leaves)
 
 
-# Keras's, read before any call patches the module's name with `reduce_logs`.
+# Keras's own, for every other reduction.
 _KERAS_REDUCE = keras_internals.reduce_per_replica()
-
-
-def install_reduce_logs(patches: Patches, strategy) -> None:
-    """Keras's TF trainer reduces a multi-worker step's logs with `reduce_logs`, under
-    `strategy`, for the duration of `patches`."""
-    share(patches, strategy, "reduce_per_replica", _install_reduce_logs)
-
-
-def _install_reduce_logs(patches: Patches) -> None:
-    patches.set(keras_internals.tf_trainer_module(), "reduce_per_replica", reduce_logs)

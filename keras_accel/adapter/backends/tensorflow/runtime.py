@@ -8,12 +8,9 @@ import tensorflow as tf
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends.tensorflow import checks, cluster
 from keras_accel.adapter.backends.tensorflow.fused import fused_function
-from keras_accel.adapter.backends.tensorflow.losses import install_global_batch_losses
-from keras_accel.adapter.backends.tensorflow.reduction import (
-    all_reduce_sum,
-    global_result,
-    install_reduce_logs,
-)
+from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
+from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
+from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum, global_result
 from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
 from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
@@ -77,16 +74,20 @@ class Runtime(runtime.Runtime):
 
     def make_function(self, model, kind: str):
         """Keras's step function for `kind`, or ours where Keras's cannot run: N > 1 fused
-        train or test steps (see `fused_function`). None: Keras makes its own."""
+        train or test steps, and every train or test step of a multi-worker strategy, whose
+        logs Keras 3 fails to reduce (see `fused_function`, `reduction.reduce_logs`). None:
+        Keras makes its own."""
         if not self.reads_steps_per_execution(model, kind):
             return None
         return fused_function(model, kind)
 
     def reads_steps_per_execution(self, model, kind: str) -> bool:
-        """Whether `kind`'s step function reads N > 1 at each call (ours, fused), so that
-        one function serves every N > 1; Keras's own TF function compiles N in."""
+        """Whether `kind`'s step function is ours, which reads N at each call, so that one
+        function serves every N; Keras's own TF function compiles N in."""
+        if kind == "predict" or model.run_eagerly:
+            return False
         n = int(getattr(model, "steps_per_execution", 1) or 1)
-        return n > 1 and kind != "predict" and not model.run_eagerly
+        return n > 1 or self.plan.strategy == "multi_worker"
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.native is not None and first_batch is not None:
@@ -98,14 +99,13 @@ class Runtime(runtime.Runtime):
                 patches, model, first_batch, overrides_a_step=overrides_any_step(model)
             )
             keras_internals.replace_tf_symbolic_build(patches, model)
-        if self.plan.strategy == "multi_worker":
-            install_reduce_logs(patches, self.native)
         if self.num_replicas > 1:
             if training:
                 checks.check_optimizers_built(model)
                 for optimizer in checks.optimizers(model):
                     checks.check_gradient_accumulation(optimizer, self.num_replicas)
-            install_global_batch_losses(patches, self.native)
+                install_summed_gradients(patches, checks.optimizers(model))
+            install_uniform_losses(patches, model)
             install_global_results(patches, model, global_result)
 
     def row_count(self, row_mask):
