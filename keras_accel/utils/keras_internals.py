@@ -136,9 +136,19 @@ _RNG_UTILS = _first(_module_of("keras.utils.set_random_seed"), _module("keras.sr
 _SEED_GENERATOR = _first(
     _module_of("keras.random.SeedGenerator"), _module("keras.src.random.seed_generator")
 )
-_LOSS_BACKEND = _first(
-    _globals_of("keras.losses.Loss.__call__", "backend"), _module("keras.src.backend")
-)
+
+
+def _loss_masking():
+    """The module of the `get_keras_mask` that `keras.losses.Loss.__call__` reads a loss's
+    mask with (3.15 calls `backend.get_keras_mask`, 3.16 imports the function itself): it
+    defines `set_keras_mask` beside it."""
+    found = _globals_of("keras.losses.Loss.__call__", "get_keras_mask")
+    via_backend = _globals_of("keras.losses.Loss.__call__", "backend")
+    function = _first(found, lambda: via_backend().get_keras_mask)()
+    return sys.modules[function.__module__]
+
+
+_LOSS_MASKING = _first(_loss_masking, _module("keras.src.backend.common.masking"))
 _COMPILE_METRICS = _first(
     _globals_of("keras.Model.compile", "CompileMetrics"),
     lambda: _module("keras.src.trainers.compile_utils")().CompileMetrics,
@@ -260,16 +270,16 @@ REQUIRED_TENSORFLOW: list[Internal] = [
         _public("keras.Model"),
     ),
     Internal(
-        "keras.losses.Loss.__call__'s backend",
+        "the module of keras.losses.Loss.__call__'s get_keras_mask",
         "get_keras_mask",
         "a loss's mask, kept where its values are rescaled",
-        _LOSS_BACKEND,
+        _LOSS_MASKING,
     ),
     Internal(
-        "keras.losses.Loss.__call__'s backend",
+        "the module of keras.losses.Loss.__call__'s get_keras_mask",
         "set_keras_mask",
         "a loss's mask, kept where its values are rescaled",
-        _LOSS_BACKEND,
+        _LOSS_MASKING,
     ),
     Internal(
         "keras.Model",
@@ -702,12 +712,12 @@ def compiled_losses(compile_loss) -> list:
 
 def keras_mask(tensor):
     """The Keras mask a tensor carries (what `keras.losses.Loss` reads from its values)."""
-    return _LOSS_BACKEND().get_keras_mask(tensor)
+    return _LOSS_MASKING().get_keras_mask(tensor)
 
 
 def set_keras_mask(tensor, mask) -> None:
     """Give `tensor` the Keras mask `mask` (None: none)."""
-    _LOSS_BACKEND().set_keras_mask(tensor, mask)
+    _LOSS_MASKING().set_keras_mask(tensor, mask)
 
 
 def tf_auto_shard_dataset() -> type:
