@@ -1,11 +1,15 @@
 """Attribute changes that last exactly as long as one Accelerator call.
 
-keras_accel installs a few things on the user's model (step wrappers, masked metrics,
-BatchNormalization moments) and, on TensorFlow, on Keras itself (see
-`keras_accel.adapter.backends.tensorflow`). `Patches` records each change with what was there
-before, and `restore()` undoes them in reverse order, so that after the call the model, its
-layers and Keras are exactly as they were: an attribute that did not exist is deleted again,
-one that did gets its old value back.
+keras_accel installs a few things on the user's own objects for one call (step wrappers,
+masked metrics, BatchNormalization moments, the optimizers' gradient sums: see
+`keras_accel.adapter.session`). `Patches` records each change with what was there before,
+and `restore()` undoes them in reverse order, so that after the call the model, its layers
+and its optimizers are exactly as they were: an attribute that did not exist is deleted
+again, one that did gets its old value back.
+
+It changes instances only, never a class or a module: those every thread of the process
+shares (a plain `model.fit` running beside the call would see the change), and a class
+attribute would reach every other instance too.
 """
 
 from __future__ import annotations
@@ -24,31 +28,30 @@ class Patches:
         self._undo: list[Callable[[], None]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
-        """Set `obj.name = value` until `restore()`.
+        """Set `obj.name = value` until `restore()`, on the instance `obj`.
 
-        Instances are changed through their `__dict__` (bypassing Keras's attribute tracking,
-        which must not track our wrappers); classes and modules with `setattr`.
+        The instance is changed through its `__dict__` (bypassing Keras's attribute
+        tracking, which must not track our wrappers).
+
+        Raises:
+            TypeError: `obj` is a class or a module (see the module docstring).
         """
         if isinstance(obj, (type, types.ModuleType)):
-            old = vars(obj).get(name, _MISSING)
-            setattr(obj, name, value)
+            raise TypeError(
+                "keras_accel changes an instance for the duration of a call, never a class "
+                "or a module, which every thread and every other instance share. Received: "
+                f"{'class' if isinstance(obj, type) else 'module'} {obj.__name__!r}, "
+                f"attribute {name!r}."
+            )
+        namespace = obj.__dict__
+        old = namespace.get(name, _MISSING)
+        object.__setattr__(obj, name, value)
 
-            def undo():
-                if old is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, old)
-
-        else:
-            namespace = obj.__dict__
-            old = namespace.get(name, _MISSING)
-            object.__setattr__(obj, name, value)
-
-            def undo():
-                if old is _MISSING:
-                    namespace.pop(name, None)
-                else:
-                    namespace[name] = old
+        def undo():
+            if old is _MISSING:
+                namespace.pop(name, None)
+            else:
+                namespace[name] = old
 
         self._undo.append(undo)
 

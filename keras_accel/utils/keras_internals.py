@@ -158,8 +158,9 @@ _COMPILE_LOSS = _first(
     lambda: _module("keras.src.trainers.compile_utils")().CompileLoss,
 )
 
-# Module-level names and class attributes keras_accel reads or replaces. Instance attributes
-# that Keras sets in __init__ are checked on the instance (`require`) where they are used.
+# Module-level names and class attributes keras_accel reads (it replaces none: `Patches`
+# changes instances only). Instance attributes that Keras sets in __init__ are checked on
+# the instance (`require`) where they are used.
 REQUIRED: list[Internal] = [
     Internal("keras's config module", "keras_home", "where keras.json lives", _CONFIG),
     Internal("keras's global state", "set_global_attribute", "seeding", _GLOBAL_STATE),
