@@ -13,6 +13,12 @@ largest over the devices):
   less what the outputs alias, XLA's bound on the step's live bytes;
 - step time: the median of `--steps` timed steps after a warm-up, beside data_parallel's.
 
+Each strategy is measured under each of XLA's two CPU schedulers (`--schedulers`):
+"concurrency", XLA's CPU default, which orders a step for parallelism across the CPU's
+threads and so may keep more buffers live at once (here: more gathered weights), and
+"memory" (`--xla_cpu_enable_concurrency_optimized_scheduler=false`), which orders it to
+keep fewer live. The strategies are compared under the same scheduler.
+
     python benchmarks/sharding_memory.py --devices 8
 
 Prints a Markdown table; `--json PATH` also writes the figures.
@@ -31,12 +37,20 @@ from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRATEGIES = ("data_parallel", "fsdp", "model_parallel")
+# XLA's CPU schedulers, by the flag that picks them (the default first).
+SCHEDULERS = {
+    "concurrency": "",
+    "memory": "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+}
 
 
 def measure(args) -> dict:
     import keras_accel
 
     keras_accel.configure_virtual_cpu_devices(args.devices)
+    flag = SCHEDULERS[args.scheduler]
+    if flag:  # Read by XLA when JAX starts its CPU backend, below.
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     import jax
     import keras
     import numpy as np
@@ -97,6 +111,7 @@ def measure(args) -> dict:
         )
     return {
         "strategy": args.strategy,
+        "scheduler": args.scheduler,
         "devices": args.devices,
         "replicated_state_bytes": whole,
         "state_bytes_per_device": max(held.values()),
@@ -113,6 +128,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--schedulers", default=",".join(SCHEDULERS))
+    parser.add_argument("--scheduler", default="concurrency", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -127,30 +144,47 @@ def main() -> int:
         f"--batch-size={args.batch_size}",
         f"--steps={args.steps}",
     ]
+    for scheduler in args.schedulers.split(","):
+        if scheduler not in SCHEDULERS:
+            known = ", ".join(SCHEDULERS)
+            parser.error(f"--schedulers: unknown {scheduler!r}; choose from {known}")
     rows = []
-    for strategy in args.strategies.split(","):
-        script = os.path.join(HERE, "sharding_memory.py")
-        rows.append(run_child(script, "jax", [*argv, f"--strategy={strategy}"]))
-    base = next((r for r in rows if r.get("strategy") == "data_parallel"), None)
+    for scheduler in args.schedulers.split(","):
+        for strategy in args.strategies.split(","):
+            script = os.path.join(HERE, "sharding_memory.py")
+            child = [*argv, f"--strategy={strategy}", f"--scheduler={scheduler}"]
+            row = run_child(script, "jax", child)
+            rows.append({"strategy": strategy, "scheduler": scheduler, **row})
     mib = 2**20
     print(f"{args.depth} x Dense({args.width}), Adam, batch {args.batch_size}, "
           f"{args.devices} devices")  # fmt: skip
-    print("| strategy | state / device (MiB) | share of replicated | step peak / device (MiB) "
-          "| vs data_parallel | step time vs data_parallel |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| XLA CPU scheduler | strategy | state / device (MiB) | share of replicated "
+          "| step peak / device (MiB) | vs data_parallel "
+          "| step time vs data_parallel |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row.get('strategy', '?')} | {row['error']} |")
+            print(f"| {row['scheduler']} | {row['strategy']} | {row['error']} |")
             continue
+        base = next(
+            (
+                r
+                for r in rows
+                if r["strategy"] == "data_parallel"
+                and r["scheduler"] == row["scheduler"]
+                and "error" not in r
+            ),
+            None,
+        )
         share = row["state_bytes_per_device"] / row["replicated_state_bytes"]
         step = row["step_bytes_per_device"]
         base_step = base and base.get("step_bytes_per_device")
         vs = f"{step / base_step:.3f}" if step and base_step else "-"
-        time_ratio = f"{row['step_s'] / base['step_s']:.2f}" if base and "step_s" in base else "-"
+        time_ratio = f"{row['step_s'] / base['step_s']:.2f}" if base else "-"
         step_text = f"{step / mib:.1f}" if step else "-"
         print(
-            f"| {row['strategy']} | {row['state_bytes_per_device'] / mib:.1f} | {share:.3f} "
-            f"| {step_text} | {vs} | {time_ratio} |"
+            f"| {row['scheduler']} | {row['strategy']} | {row['state_bytes_per_device'] / mib:.1f} "
+            f"| {share:.3f} | {step_text} | {vs} | {time_ratio} |"
         )
     if args.json:
         with open(args.json, "w") as f:
