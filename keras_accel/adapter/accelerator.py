@@ -79,8 +79,8 @@ class Accelerator:
         sync_batchnorm: True (default): BatchNormalization statistics are those of the
             global batch's real rows, on every replica, so training equals one-device
             training. On TensorFlow with several replicas that costs two all-reduces per
-            layer and step (2-8% of a step of the seed MLP on 8 CPU replicas,
-            docs/benchmarks.md); False keeps each replica's statistics over its own real
+            layer and step (about 5% of a step of the seed MLP on 8 CPU replicas, where
+            the default is as fast as plain Keras: docs/benchmarks.md); False keeps each replica's statistics over its own real
             rows, as plain Keras does there (layers built with `synchronized=True` still
             synchronize). On JAX the program sees the global batch, so statistics are
             global either way, as in Keras.

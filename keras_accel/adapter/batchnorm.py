@@ -20,11 +20,13 @@ statistics from these batch moments alone. When the call returns the layers get 
 
 What the synchronization costs (`Accelerator(sync_batchnorm=...)`): on TF each layer's sums
 cross the replicas once forward and once more backward (the gradient of an all-reduce is an
-all-reduce), in sequence, since each layer waits for the one before. Measured on the seed
-MLP (8 such layers) at batch 1,024 over 8 CPU replicas, that is the whole difference between
-`acc.fit` and plain `model.fit` (docs/benchmarks.md); with `sync_batchnorm=False` each
-replica keeps its own masked moments, as plain Keras does, except for layers built with
-`synchronized=True`, which still synchronize.
+all-reduce), in sequence, since each layer waits for the one before. With TensorFlow's
+default collectives that was the whole difference between `acc.fit` and plain `model.fit`
+on 8 CPU replicas (about 1 ms per all-reduce); the Accelerator's strategy sums through one
+device there (`keras_accel.adapter.backends.tensorflow.strategies.cross_device_ops`, 0.06
+ms), and the default is at parity with plain Keras (docs/benchmarks.md). With
+`sync_batchnorm=False` each replica keeps its own masked moments, as plain Keras does,
+except for layers built with `synchronized=True`, which still synchronize.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ trained through the Accelerator like a built-in one."""
 import dataclasses
 
 import keras
+import numpy as np
 import pytest
 
 from keras_accel import STRATEGIES, Accelerator
@@ -145,3 +146,35 @@ def test_a_builder_that_does_not_span_the_plan_is_refused(backend):
             Accelerator(strategy="first_two", devices=4)
     finally:
         STRATEGIES.unregister("first_two")
+
+
+def test_tensorflow_cpu_replicas_sum_through_one_device_and_gpus_keep_the_default(
+    backend, num_devices
+):
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("tf.distribute's MirroredStrategy over several devices")
+    import tensorflow as tf
+
+    from keras_accel.adapter.backends.tensorflow.strategies import cross_device_ops
+
+    assert isinstance(cross_device_ops(("cpu:0", "cpu:1")), tf.distribute.ReductionToOneDevice)
+    assert cross_device_ops(("gpu:0", "gpu:1")) is None  # TensorFlow's choice: NCCL there
+    # What an all-reduce of the Accelerator's strategy compiles to: AddN through one device,
+    # no collective op (each costs a rendezvous of the replicas' collective executors: 12
+    # times the AddN on CPUs, benchmarks/tf_all_reduce.py).
+    strategy = Accelerator(devices=FEW_REPLICAS).distribution
+
+    @tf.function
+    def summed():
+        def replica():
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce("SUM", [tf.ones((3,)) * 2.0])[0]
+
+        return strategy.run(replica)
+
+    for value in strategy.experimental_local_results(summed()):
+        np.testing.assert_array_equal(value.numpy(), [2.0 * FEW_REPLICAS] * 3)
+    graph = summed.get_concrete_function().graph.as_graph_def()
+    ops = {node.op for node in graph.node}
+    ops |= {node.op for function in graph.library.function for node in function.node_def}
+    assert "AddN" in ops and not any(op.startswith("Collective") for op in ops), sorted(ops)
