@@ -80,8 +80,9 @@ class Accelerator:
             global batch's real rows, on every replica, so training equals one-device
             training. On TensorFlow with several replicas that costs two all-reduces per
             layer and step (about 5% of a step of the seed MLP on 8 CPU replicas, where
-            the default is as fast as plain Keras: docs/benchmarks.md); False keeps each replica's statistics over its own real
-            rows, as plain Keras does there (layers built with `synchronized=True` still
+            the default is within 8% of plain Keras: docs/benchmarks.md);
+            False keeps each replica's statistics over its own real rows, as plain
+            Keras does there (layers built with `synchronized=True` still
             synchronize). On JAX the program sees the global batch, so statistics are
             global either way, as in Keras.
 

@@ -24,7 +24,7 @@ all-reduce), in sequence, since each layer waits for the one before. With Tensor
 default collectives that was the whole difference between `acc.fit` and plain `model.fit`
 on 8 CPU replicas (about 1 ms per all-reduce); the Accelerator's strategy sums through one
 device there (`keras_accel.adapter.backends.tensorflow.strategies.cross_device_ops`, 0.06
-ms), and the default is at parity with plain Keras (docs/benchmarks.md). With
+ms), and the default is within 8% of plain Keras (docs/benchmarks.md). With
 `sync_batchnorm=False` each replica keeps its own masked moments, as plain Keras does,
 except for layers built with `synchronized=True`, which still synchronize.
 """
