@@ -29,7 +29,6 @@ import time
 
 from _child import run_child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 IMPLEMENTATIONS = ("collective", "one_device")
 
 
@@ -93,7 +92,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(measure(args)))
         return 0
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes takes integers, e.g. 3,512. Received: --sizes {args.sizes}")
     if args.devices < 2 or min(sizes) < 1 or args.chain < 1:
         parser.error(
             f"needs --devices >= 2, sizes >= 1 and --chain >= 1. Received: "
