@@ -22,11 +22,13 @@ the last resort, where no public object leads to the name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -736,6 +738,44 @@ def tf_auto_shard_dataset() -> type:
             "each process reading its own files of a tf.data pipeline",
             library="TensorFlow",
         ) from None
+
+
+_DEVICE_DATASETS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def tf_device_datasets_without_autotune():
+    """While open, each device's data set of a `tf.distribute` iterator made on any thread
+    runs without tf.data's autotuning thread (`keras_accel.adapter.backends.tensorflow.
+    runtime.Distributed` says why); everything else about them is TensorFlow's.
+
+    TensorFlow's `MultiDeviceIterator` builds them in `tensorflow.python.data.ops.
+    multi_device_iterator_ops._create_device_dataset` (a generator over the host iterator
+    and a prefetch, with default options; no public name reaches them), checked against
+    TensorFlow 2.21. A TensorFlow without it leaves them as they are, never an error: it
+    costs the wait, it changes no number. The module's name is restored on the way out."""
+    try:
+        from tensorflow.python.data.ops import multi_device_iterator_ops as module
+    except ImportError:
+        module = None
+    original = getattr(module, "_create_device_dataset", None)
+    if original is None:
+        yield
+        return
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+
+    def without_autotune(*args, **kwargs):
+        return original(*args, **kwargs).with_options(options)
+
+    with _DEVICE_DATASETS_LOCK:  # One patcher at a time, so the original is what returns.
+        module._create_device_dataset = without_autotune
+        try:
+            yield
+        finally:
+            module._create_device_dataset = original
 
 
 def calling_callbacks(callback) -> list | None:

@@ -178,3 +178,38 @@ def test_tensorflow_cpu_replicas_sum_through_one_device_and_gpus_keep_the_defaul
     ops = {node.op for node in graph.node}
     ops |= {node.op for function in graph.library.function for node in function.node_def}
     assert "AddN" in ops and not any(op.startswith("Collective") for op in ops), sorted(ops)
+
+
+def test_tensorflow_device_data_sets_run_without_autotuning_threads(
+    backend, num_devices, monkeypatch
+):
+    """Each device's data set that TensorFlow builds for an iterator of the Accelerator's
+    distributed data runs without tf.data's autotuning thread (whose deletion waits out its
+    tuning period: seconds to a minute per epoch, `runtime.Distributed`), the user's
+    pipeline keeps its options, and TensorFlow's own function is back afterwards."""
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("tf.distribute's MirroredStrategy over several devices")
+    import tensorflow as tf
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    original = multi_device_iterator_ops._create_device_dataset
+    acc = Accelerator(devices=FEW_REPLICAS)
+    rows = np.arange(8 * FEW_REPLICAS, dtype="float32").reshape(-1, 2)
+    pipeline = tf.data.Dataset.from_tensor_slices(rows).batch(2 * FEW_REPLICAS)
+    iterated = []
+    dataset_iter = tf.data.Dataset.__iter__
+
+    def spy(dataset):
+        iterated.append(dataset.options().autotune.enabled)
+        return dataset_iter(dataset)
+
+    monkeypatch.setattr(tf.data.Dataset, "__iter__", spy)
+    ours = iter(acc._runtime.distribute(pipeline, 2 * FEW_REPLICAS))
+    assert iterated.count(False) == FEW_REPLICAS, iterated  # One per device.
+    assert multi_device_iterator_ops._create_device_dataset is original
+    first = [t.numpy() for t in acc.distribution.experimental_local_results(next(ours))]
+    np.testing.assert_array_equal(np.concatenate(first), rows[: 2 * FEW_REPLICAS])
+
+    iterated.clear()  # A distributed data set of the user's own: TensorFlow's defaults.
+    iter(acc.distribution.distribute_datasets_from_function(lambda context: pipeline))
+    assert False not in iterated and iterated, iterated
