@@ -18,6 +18,10 @@ layer and step, which plain Keras does not pay); "ratio, local BN" is plain / th
     python benchmarks/input_path.py --quick              # MLP only, batch 256 and 1024, 1 round
     python benchmarks/input_path.py --backends tensorflow --devices 1 --models mlp
 
+`--epochs N` (N > 1) fits N epochs per call and times the whole `fit` call, divided by N:
+what a user waits for, epoch boundaries and the return included (on TensorFlow with several
+replicas, Keras's trainer makes each epoch's iterator anew and deletes the last one there).
+
 The CNN runs at `--cnn-width` (default 0.25: 1/16 of the seed CNN's FLOPs) so that batch
 4096 fits the time on a CPU; `--cnn-width 1` is the seed's. Prints a Markdown table;
 `--json PATH` also writes the figures.
@@ -79,25 +83,28 @@ def measure(args) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             self.seconds = time.perf_counter() - self.start
 
-    def plain_epoch():
+    def timed(fit) -> float:
+        """One epoch's seconds: the epoch's own (one epoch), or the whole call's / epochs."""
         timer = Timer()
+        called = time.perf_counter()
+        fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[timer])
+        return timer.seconds if epochs == 1 else (time.perf_counter() - called) / epochs
+
+    def plain_epoch():
         with acc.scope():
-            plain.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
-        return timer.seconds
+            return timed(plain.fit)
 
     def acc_epoch():
-        timer = Timer()
-        acc.fit(ours, x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
-        return timer.seconds
+        return timed(lambda *a, **k: acc.fit(ours, *a, **k))
 
     def local_epoch():
-        timer = Timer()
-        local.fit(theirs, x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
-        return timer.seconds
+        return timed(lambda *a, **k: local.fit(theirs, *a, **k))
 
+    epochs = 1  # Read by `timed`.
     plain_epoch(), acc_epoch()  # Compilation.
     if third:
         local_epoch()
+    epochs = args.epochs
     t_plain, t_acc, t_local = [], [], []
     for _ in range(args.rounds):
         t_plain.append(plain_epoch())
@@ -120,6 +127,7 @@ def measure(args) -> dict:
         "model": args.model,
         "batch": batch,
         "steps": args.steps,
+        "epochs": args.epochs,
         "plain_s": statistics.median(t_plain),
         "acc_s": statistics.median(t_acc),
         "ratio": statistics.median(ratios),
@@ -138,6 +146,9 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="256,1024,4096")
     parser.add_argument("--steps", type=int, default=4, help="steps per epoch")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--epochs", type=int, default=1, help="epochs per fit (> 1: the whole call is timed)"
+    )
     parser.add_argument("--cnn-width", type=float, default=0.25)
     parser.add_argument("--quick", action="store_true", help="MLP, batch 256 and 1024, 1 round")
     parser.add_argument("--json", default=None)
@@ -145,6 +156,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1; received {args.epochs}")
     if args.child:
         args.devices = int(args.devices)
         print(json.dumps(measure(args)))
@@ -163,6 +176,7 @@ def main() -> int:
                         f"--batch-size={batch}",
                         f"--steps={args.steps}",
                         f"--rounds={args.rounds}",
+                        f"--epochs={args.epochs}",
                         f"--cnn-width={args.cnn_width}",
                     ]
                     row = run_child(os.path.join(HERE, "input_path.py"), backend, argv)
@@ -193,7 +207,7 @@ def main() -> int:
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {local} | {r['load']:.1f} |"
         )
     print(
-        f"\n{args.steps} steps per epoch, {args.rounds} rounds, "
+        f"\n{args.steps} steps per epoch, {args.epochs} epoch(s) per fit, {args.rounds} rounds, "
         f"{time.perf_counter() - started:.0f} s in all."
     )
     if args.json:

@@ -23,7 +23,11 @@ numbers it trains are then not exact any more), to see what that piece costs.
 Every variant fits one epoch of `--steps` steps in turn, after a compiling epoch each, for
 `--rounds` rounds; the figure is the median time of one step (between two batch ends, so
 neither the epoch's start nor its end counts; a batch hook turns host-loop fusion off, for
-every variant alike), and plain / variant.
+every variant alike), and plain / variant. Beside them, the medians of what each epoch costs
+outside its steps: from the `fit` call to the first step's end less one step (setup, the
+epoch's iterator), and from the last step's end to `fit`'s return (the epoch's results,
+deleting the iterators: on TensorFlow 2.21, tens of seconds for plain Keras's, see
+benchmarks/tf_iterator_deletion.py).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ def main() -> int:
     class Timer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.ends = []
+            self.begin = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
@@ -119,35 +124,47 @@ def main() -> int:
         def step(self) -> float:
             return float(np.median(np.diff(self.ends)))
 
+        def around(self, called: float, returned: float) -> tuple[float, float]:
+            """The epoch's cost outside its steps: before the first step, after the last."""
+            before = self.ends[0] - called - self.step()
+            return before, returned - self.ends[-1]
+
     names = ["plain", *variants]
     models = {name: build(name) for name in names}
 
-    def epoch(name: str) -> float:
+    def epoch(name: str) -> tuple[float, float, float]:
         timer = Timer()
         kwargs = dict(batch_size=args.batch_size, epochs=1, verbose=0, callbacks=[timer])
+        called = time.perf_counter()
         if name.startswith("plain"):
             with acc.scope():
                 models[name].fit(x, y, **kwargs)
-            return timer.step()
-        use(name)  # Traced under this variant on its first call: each model keeps its own.
-        try:
-            (local if name == "local_bn" else acc).fit(models[name], x, y, **kwargs)
-        finally:
-            use("acc")
-        return timer.step()
+        else:
+            use(name)  # Traced under this variant on its first call: each model keeps its own.
+            try:
+                (local if name == "local_bn" else acc).fit(models[name], x, y, **kwargs)
+            finally:
+                use("acc")
+        returned = time.perf_counter()
+        return (timer.step(), *timer.around(called, returned))
 
     for name in names:
         epoch(name)  # Compilation.
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
             times[name].append(epoch(name))
-    plain = statistics.median(times["plain"])
-    print(f"| {args.model}@{args.batch_size}, {acc.num_replicas} replicas | s/step | plain / it |")
-    print("|---|---:|---:|")
+
+    def median(name: str, column: int) -> float:
+        return statistics.median(t[column] for t in times[name])
+
+    plain = median("plain", 0)
+    title = f"{args.model}@{args.batch_size}, {acc.num_replicas} replicas"
+    print(f"| {title} | s/step | plain / it | s before the first step | s after the last |")
+    print("|---|---:|---:|---:|---:|")
     for name in names:
-        median = statistics.median(times[name])
-        print(f"| {name} | {median:.3f} | {plain / median:.3f} |")
+        step, before, after = (median(name, column) for column in range(3))
+        print(f"| {name} | {step:.3f} | {plain / step:.3f} | {before:.3f} | {after:.3f} |")
     print(f"load {os.getloadavg()[0]:.1f}")
     return 0
 
