@@ -758,19 +758,21 @@ def tf_device_datasets_without_autotune():
         from tensorflow.python.data.ops import multi_device_iterator_ops as module
     except ImportError:
         module = None
-    original = getattr(module, "_create_device_dataset", None)
-    if original is None:
+    if getattr(module, "_create_device_dataset", None) is None:
         yield
         return
     import tensorflow as tf
 
     options = tf.data.Options()
     options.autotune.enabled = False
+    # One thread at a time, and the original read under the lock: a thread that read it
+    # while another's replacement was in place would put that replacement back for good.
+    with _DEVICE_DATASETS_LOCK:
+        original = module._create_device_dataset
 
-    def without_autotune(*args, **kwargs):
-        return original(*args, **kwargs).with_options(options)
+        def without_autotune(*args, **kwargs):
+            return original(*args, **kwargs).with_options(options)
 
-    with _DEVICE_DATASETS_LOCK:  # One patcher at a time, so the original is what returns.
         module._create_device_dataset = without_autotune
         try:
             yield
