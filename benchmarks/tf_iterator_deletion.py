@@ -92,6 +92,10 @@ def main() -> int:
         parser.error(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
     if args.devices < 2:
         parser.error(f"--devices must be at least 2 (a MirroredStrategy); received {args.devices}")
+    if args.rows < 256:
+        parser.error(f"--rows must be at least 256 (one batch); received {args.rows}")
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be positive; received {args.seconds}")
     if args.child:
         print(json.dumps(measure(args)))
         return 0
