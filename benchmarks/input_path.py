@@ -83,28 +83,26 @@ def measure(args) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             self.seconds = time.perf_counter() - self.start
 
-    def timed(fit) -> float:
+    def timed(fit, epochs: int) -> float:
         """One epoch's seconds: the epoch's own (one epoch), or the whole call's / epochs."""
         timer = Timer()
         called = time.perf_counter()
         fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[timer])
         return timer.seconds if epochs == 1 else (time.perf_counter() - called) / epochs
 
-    def plain_epoch():
+    def plain_epoch(epochs=args.epochs):
         with acc.scope():
-            return timed(plain.fit)
+            return timed(plain.fit, epochs)
 
-    def acc_epoch():
-        return timed(lambda *a, **k: acc.fit(ours, *a, **k))
+    def acc_epoch(epochs=args.epochs):
+        return timed(lambda *a, **k: acc.fit(ours, *a, **k), epochs)
 
-    def local_epoch():
-        return timed(lambda *a, **k: local.fit(theirs, *a, **k))
+    def local_epoch(epochs=args.epochs):
+        return timed(lambda *a, **k: local.fit(theirs, *a, **k), epochs)
 
-    epochs = 1  # Read by `timed`.
-    plain_epoch(), acc_epoch()  # Compilation.
+    plain_epoch(1), acc_epoch(1)  # Compilation.
     if third:
-        local_epoch()
-    epochs = args.epochs
+        local_epoch(1)
     t_plain, t_acc, t_local = [], [], []
     for _ in range(args.rounds):
         t_plain.append(plain_epoch())
