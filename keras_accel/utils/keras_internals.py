@@ -296,6 +296,13 @@ REQUIRED_TENSORFLOW: list[Internal] = [
         "fused steps on TF",
         _module_of_class(_BACKEND_TRAINER),
     ),
+    # No public object leads to it: Keras's epoch iterator calls it as a module attribute.
+    Internal(
+        "keras's data adapters package",
+        "get_data_adapter",
+        "a PyDataset or a generator over several TF replicas",
+        _module("keras.src.trainers.data_adapters"),
+    ),
 ]
 
 
@@ -429,6 +436,14 @@ def data_adapter_class() -> type:
     """Keras's `DataAdapter` base class (what `get_data_adapter` passes through as it is),
     found beside `keras.utils.PyDataset`'s adapter."""
     return _holder("DataAdapter").DataAdapter
+
+
+def get_data_adapter():
+    """Keras's `get_data_adapter`: the adapter its trainers make for an input (a
+    `PyDataset`'s, a generator's), so that keras_accel can hand the TF trainer that input's
+    pipeline already distributed (`keras_accel.adapter.backends.tensorflow.runtime.
+    KerasRouteAdapter`)."""
+    return _holder("get_data_adapter").get_data_adapter
 
 
 def super_batch_iterator():

@@ -213,3 +213,61 @@ def test_tensorflow_device_data_sets_run_without_autotuning_threads(
     iterated.clear()  # A distributed data set of the user's own: TensorFlow's defaults.
     iter(acc.distribution.distribute_datasets_from_function(lambda context: pipeline))
     assert False not in iterated and iterated, iterated
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.size, (index + 1) * self.size)
+        return self.x[part], self.y[part]
+
+
+@pytest.mark.parametrize("kind", ["PyDataset", "generator"])
+def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuning_threads(
+    backend, num_devices, monkeypatch, kind
+):
+    """A `PyDataset` or a generator takes Keras's own route (its adapter, its tf.data
+    pipeline), distributed as Keras distributes it but through `runtime.Distributed`: each
+    epoch's per-device data sets run without an autotuning thread (an idle wait of seconds
+    to a minute at every epoch boundary otherwise), and the fit equals plain Keras's."""
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("tf.distribute's MirroredStrategy over several devices")
+    import tensorflow as tf
+
+    acc = Accelerator(devices=FEW_REPLICAS, steps_per_execution=1)
+    x, y = data(24)
+    with acc.scope():
+        model = compiled_mlp(batchnorm=False)
+    twin = compiled_mlp(batchnorm=False)
+    twin.set_weights(model.get_weights())
+    iterated = []
+    dataset_iter = tf.data.Dataset.__iter__
+
+    def spy(dataset):
+        iterated.append(dataset.options().autotune.enabled)
+        return dataset_iter(dataset)
+
+    def batches():
+        for _ in range(2):  # Two epochs of 3 batches.
+            yield from (_Batches(x, y, 8)[i] for i in range(3))
+
+    monkeypatch.setattr(tf.data.Dataset, "__iter__", spy)
+    if kind == "PyDataset":
+        got = acc.fit(model, _Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
+        # Keras makes an iterator as each epoch begins and another as it ends (the next
+        # epoch's, which it drops): two per epoch, each with one data set per device.
+        assert iterated == [False] * 4 * FEW_REPLICAS, iterated
+    else:
+        got = acc.fit(model, batches(), epochs=2, steps_per_epoch=3, verbose=0)
+        # One iterator over the stream, kept across epochs under steps_per_epoch.
+        assert iterated == [False] * FEW_REPLICAS, iterated
+    monkeypatch.undo()
+    want = twin.fit(_Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    assert_weights_close(model.get_weights(), twin.get_weights())

@@ -27,16 +27,6 @@ def tf():
 
 
 ONE_STEP = {"steps_per_execution": 1}
-# Seen once in a full TF run (2 December 2026): acc.fit of a PyDataset over 2 epochs under
-# MirroredStrategy (8 replicas) hung creating the second epoch's multi-device iterator over
-# Keras's from_generator pipeline, waiting for the GIL. Not yet understood; kept off the TF
-# run so that the suite cannot hang; 1-epoch PyDataset fits on TF run in test_inputs.py.
-TF_SECOND_EPOCH_HANG = (
-    "a 2-epoch PyDataset fit under 8-replica MirroredStrategy hung once in a full TF run "
-    "(the second epoch's iterator over Keras's from_generator pipeline, waiting for the GIL); "
-    "not reproduced in 34 runs alone, and a hang would stop CI; 1-epoch PyDataset fits run on "
-    "TF in tests/adapter/test_inputs.py"
-)
 
 
 def _pair(acc, **kwargs):
@@ -320,7 +310,6 @@ def test_pydataset_without_a_length_with_steps_per_epoch():
     assert_weights_close(model.get_weights(), twin.get_weights())
 
 
-@pytest.mark.skipif(keras.backend.backend() == "tensorflow", reason=TF_SECOND_EPOCH_HANG)
 def test_pydataset_shuffle_permutes_batches_per_epoch_from_the_seed():
     from keras_accel.data.sources import PyDatasetBatches
 
@@ -349,7 +338,6 @@ def test_pydataset_shuffle_permutes_batches_per_epoch_from_the_seed():
     assert planned(4) != orders
 
 
-@pytest.mark.skipif(keras.backend.backend() == "tensorflow", reason=TF_SECOND_EPOCH_HANG)
 def test_pydataset_unshuffled_equals_keras():
     acc = Accelerator(**ONE_STEP)
     model, twin = _pair(acc)

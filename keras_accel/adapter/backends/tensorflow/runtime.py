@@ -3,6 +3,7 @@ changes under it, and the distributed data sets its replicas read."""
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from keras_accel.adapter import runtime
@@ -133,12 +134,16 @@ class Runtime(runtime.Runtime):
                 "Grain data set has no tf.data form here. Received: "
                 f"{type(batches.source).__name__}. Pass arrays or a tf.data.Dataset."
             )
-        elif isinstance(batches, IterableBatches):
-            refuse_preprocessing(batches, preprocess)
-            return stream(batches, carry_mask=carry_mask)  # Keras's route for generators.
         else:
-            # A user's PyDataset: Keras's own route (tf.data from a generator).
-            return StaticBatchDataset(batches, carry_mask=carry_mask)
+            if isinstance(batches, IterableBatches):
+                refuse_preprocessing(batches, preprocess)
+                source = stream(batches, carry_mask=carry_mask)  # Keras's route for generators.
+            else:
+                # A user's PyDataset: Keras's own route (tf.data from a generator).
+                source = StaticBatchDataset(batches, carry_mask=carry_mask)
+            if self.native is None or self.plan.strategy == "tpu" or not carry_mask:
+                return source  # Keras distributes it (`Accelerator.dataset`: as it says).
+            return KerasRouteAdapter(source, self.native)
         if self.native is None or self.plan.strategy == "tpu":
             return pipeline  # Keras distributes it (TPU: experimental_distribute_dataset).
         if not carry_mask and self.plan.strategy != "multi_worker":
@@ -230,6 +235,57 @@ class Distributed(tf.distribute.DistributedDataset):
         if name == "dataset":  # Not set yet: no recursion.
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+class KerasRouteAdapter(PaddedBatchesAdapter):
+    """A `PyDataset` or a generator of ours on Keras's own route under a `MirroredStrategy`:
+    Keras's adapter for it (`keras_internals.get_data_adapter`: its tf.data pipeline from the
+    generator, its epochs, its reads ahead), whose pipeline is distributed as Keras's TF
+    trainer distributes it (`experimental_distribute_dataset`), as a `Distributed`, so that
+    the epoch boundaries do not idle. Keras's TF epoch iterator takes a
+    `tf.distribute.DistributedDataset` as it is.
+
+    `keras_accel_local` is the source, what the model is built from
+    (`keras_accel.adapter.accelerator._first_batch`)."""
+
+    feeds = "TensorFlow's trainer"
+
+    def __init__(self, source, strategy):
+        self.keras_accel_local = source
+        # Our batches are in their epoch's order already: Keras must keep it.
+        self.adapter = keras_internals.get_data_adapter()(source, shuffle=False)
+        # Keras's PyDataset adapter ends each epoch of the PyDataset, so of our batches.
+        self.keras_accel_ends_epochs = isinstance(source, keras.utils.PyDataset)
+        self.strategy = strategy
+        self.distributed = None
+
+    def get_tf_dataset(self):
+        if self.distributed is None:  # Once, as Keras's TF epoch iterator asks once.
+            pipeline = self.adapter.get_tf_dataset()
+            self.distributed = Distributed(self.strategy.experimental_distribute_dataset(pipeline))
+        return self.distributed
+
+    def on_epoch_begin(self):
+        self.adapter.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.adapter.on_epoch_end()
+
+    @property
+    def num_batches(self):
+        return self.adapter.num_batches
+
+    @property
+    def batch_size(self):
+        return self.adapter.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return self.adapter.has_partial_batch
+
+    @property
+    def partial_batch_size(self):
+        return self.adapter.partial_batch_size
 
 
 class DistributedBatches(PaddedBatchesAdapter):
