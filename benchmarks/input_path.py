@@ -18,6 +18,9 @@ layer and step, which plain Keras does not pay); "ratio, local BN" is plain / th
     python benchmarks/input_path.py --quick              # MLP only, batch 256 and 1024, 1 round
     python benchmarks/input_path.py --backends tensorflow --devices 1 --models mlp
 
+`--input pydataset` feeds both a `keras.utils.PyDataset` over the same arrays (in order,
+`shuffle=False`) instead of the arrays.
+
 `--epochs N` (N > 1) fits N epochs per call and times the whole `fit` call, divided by N:
 what a user waits for, epoch boundaries and the return included (on TensorFlow with several
 replicas, Keras's trainer makes each epoch's iterator anew and deletes the last one there).
@@ -83,11 +86,23 @@ def measure(args) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             self.seconds = time.perf_counter() - self.start
 
+    class Batches(keras.utils.PyDataset):  # `--input pydataset`: the same rows, in order.
+        def __len__(self):
+            return args.steps
+
+        def __getitem__(self, index):
+            return x[index * batch : (index + 1) * batch], y[index * batch : (index + 1) * batch]
+
+    if args.input == "pydataset":
+        inputs, options = (Batches(),), {"shuffle": False}
+    else:
+        inputs, options = (x, y), {"batch_size": batch}
+
     def timed(fit, epochs: int) -> float:
         """One epoch's seconds: the epoch's own (one epoch), or the whole call's / epochs."""
         timer = Timer()
         called = time.perf_counter()
-        fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[timer])
+        fit(*inputs, **options, epochs=epochs, verbose=0, callbacks=[timer])
         return timer.seconds if epochs == 1 else (time.perf_counter() - called) / epochs
 
     def plain_epoch(epochs=args.epochs):
@@ -126,6 +141,7 @@ def measure(args) -> dict:
         "batch": batch,
         "steps": args.steps,
         "epochs": args.epochs,
+        "input": args.input,
         "plain_s": statistics.median(t_plain),
         "acc_s": statistics.median(t_acc),
         "ratio": statistics.median(ratios),
@@ -146,6 +162,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--epochs", type=int, default=1, help="epochs per fit (> 1: the whole call is timed)"
+    )
+    parser.add_argument(
+        "--input",
+        choices=("arrays", "pydataset"),
+        default="arrays",
+        help="arrays (fit's x, y, batch_size) or a keras.utils.PyDataset over them",
     )
     parser.add_argument("--cnn-width", type=float, default=0.25)
     parser.add_argument("--quick", action="store_true", help="MLP, batch 256 and 1024, 1 round")
@@ -175,6 +197,7 @@ def main() -> int:
                         f"--steps={args.steps}",
                         f"--rounds={args.rounds}",
                         f"--epochs={args.epochs}",
+                        f"--input={args.input}",
                         f"--cnn-width={args.cnn_width}",
                     ]
                     row = run_child(os.path.join(HERE, "input_path.py"), backend, argv)
@@ -205,7 +228,8 @@ def main() -> int:
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {local} | {r['load']:.1f} |"
         )
     print(
-        f"\n{args.steps} steps per epoch, {args.epochs} epoch(s) per fit, {args.rounds} rounds, "
+        f"\n{args.input}, {args.steps} steps per epoch, {args.epochs} epoch(s) per fit, "
+        f"{args.rounds} rounds, "
         f"{time.perf_counter() - started:.0f} s in all."
     )
     if args.json:
