@@ -87,6 +87,9 @@ def measure(args) -> dict:
             self.seconds = time.perf_counter() - self.start
 
     class Batches(keras.utils.PyDataset):  # `--input pydataset`: the same rows, in order.
+        def __init__(self):
+            super().__init__()
+
         def __len__(self):
             return args.steps
 

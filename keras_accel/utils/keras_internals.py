@@ -151,6 +151,21 @@ def _loss_masking():
 
 
 _LOSS_MASKING = _first(_loss_masking, _module("keras.src.backend.common.masking"))
+
+
+def _data_adapters():
+    """The package whose `get_data_adapter` Keras's epoch iterator calls, as a module
+    attribute: the `data_adapters` of the module of a class in the TF trainer module's
+    `TFEpochIterator` MRO (its base, `EpochIterator`)."""
+    mro = _module_of_class(_BACKEND_TRAINER)().TFEpochIterator.__mro__
+    return next(
+        sys.modules[c.__module__].data_adapters
+        for c in mro
+        if hasattr(sys.modules[c.__module__], "data_adapters")
+    )
+
+
+_DATA_ADAPTERS = _first(_data_adapters, _module("keras.src.trainers.data_adapters"))
 _COMPILE_METRICS = _first(
     _globals_of("keras.Model.compile", "CompileMetrics"),
     lambda: _module("keras.src.trainers.compile_utils")().CompileMetrics,
@@ -296,12 +311,11 @@ REQUIRED_TENSORFLOW: list[Internal] = [
         "fused steps on TF",
         _module_of_class(_BACKEND_TRAINER),
     ),
-    # No public object leads to it: Keras's epoch iterator calls it as a module attribute.
     Internal(
-        "keras's data adapters package",
+        "the data adapters package of the TF trainer's epoch iterator",
         "get_data_adapter",
         "a PyDataset or a generator over several TF replicas",
-        _module("keras.src.trainers.data_adapters"),
+        _DATA_ADAPTERS,
     ),
 ]
 

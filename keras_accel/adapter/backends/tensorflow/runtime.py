@@ -252,18 +252,31 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
 
     def __init__(self, source, strategy):
         self.keras_accel_local = source
-        # Our batches are in their epoch's order already: Keras must keep it.
-        self.adapter = keras_internals.get_data_adapter()(source, shuffle=False)
         # Keras's PyDataset adapter ends each epoch of the PyDataset, so of our batches.
         self.keras_accel_ends_epochs = isinstance(source, keras.utils.PyDataset)
         self.strategy = strategy
-        self.distributed = None
+        self._adapter = None
+        self._distributed = None
+
+    @property
+    def adapter(self):
+        # Made at Keras's first question, inside its call, as Keras makes its own: a
+        # generator's adapter reads its first batches when made.
+        if self._adapter is None:
+            # Our batches are in their epoch's order already: Keras must keep it.
+            make = keras_internals.get_data_adapter()
+            self._adapter = make(self.keras_accel_local, shuffle=False)
+        return self._adapter
 
     def get_tf_dataset(self):
-        if self.distributed is None:  # Once, as Keras's TF epoch iterator asks once.
+        if self._distributed is None:  # Once, as Keras's TF epoch iterator asks once.
             pipeline = self.adapter.get_tf_dataset()
-            self.distributed = Distributed(self.strategy.experimental_distribute_dataset(pipeline))
-        return self.distributed
+            distributed = self.strategy.experimental_distribute_dataset(pipeline)
+            self._distributed = Distributed(distributed)
+        return self._distributed
+
+    def get_numpy_iterator(self):
+        return self.adapter.get_numpy_iterator()
 
     def on_epoch_begin(self):
         self.adapter.on_epoch_begin()
@@ -278,14 +291,6 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     @property
     def batch_size(self):
         return self.adapter.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return self.adapter.has_partial_batch
-
-    @property
-    def partial_batch_size(self):
-        return self.adapter.partial_batch_size
 
 
 class DistributedBatches(PaddedBatchesAdapter):
