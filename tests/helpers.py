@@ -170,3 +170,18 @@ def changed_library_state(before, after):
     # copyreg's `__slotnames__` (a first copy or pickle of an instance).
     changed |= {key[:2] for key in added if key[1] not in ("__annotations__", "__slotnames__")}
     return sorted(changed)
+
+
+class Batches(keras.utils.PyDataset):
+    """(x, y) batches of `batch_size` rows, in order, the last one short."""
+
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        part = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[part], self.y[part]

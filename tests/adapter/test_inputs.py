@@ -5,20 +5,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, mlp
-
-
-class Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size):
-        super().__init__()
-        self.x, self.y, self.batch_size = x, y, batch_size
-
-    def __len__(self):
-        return -(-len(self.x) // self.batch_size)
-
-    def __getitem__(self, index):
-        part = slice(index * self.batch_size, (index + 1) * self.batch_size)
-        return self.x[part], self.y[part]
+from tests.helpers import FEW_REPLICAS, Batches, assert_weights_close, compiled_mlp, data, mlp
 
 
 def _pair(acc):

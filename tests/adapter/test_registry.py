@@ -9,7 +9,14 @@ import pytest
 
 from keras_accel import STRATEGIES, Accelerator
 from keras_accel.adapter.strategies import BUILT_IN, StrategyRegistry, resolve
-from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data, weights_of
+from tests.helpers import (
+    FEW_REPLICAS,
+    Batches,
+    assert_weights_close,
+    compiled_mlp,
+    data,
+    weights_of,
+)
 
 CPUS = {"cpu": [f"cpu:{i}" for i in range(8)]}
 
@@ -215,19 +222,6 @@ def test_tensorflow_device_data_sets_run_without_autotuning_threads(
     assert False not in iterated and iterated, iterated
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, size):
-        super().__init__()
-        self.x, self.y, self.size = x, y, size
-
-    def __len__(self):
-        return -(-len(self.x) // self.size)
-
-    def __getitem__(self, index):
-        part = slice(index * self.size, (index + 1) * self.size)
-        return self.x[part], self.y[part]
-
-
 @pytest.mark.parametrize("kind", ["PyDataset", "generator"])
 def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuning_threads(
     backend, num_devices, monkeypatch, kind
@@ -255,11 +249,11 @@ def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuni
 
     def batches():
         for _ in range(2):  # Two epochs of 3 batches.
-            yield from (_Batches(x, y, 8)[i] for i in range(3))
+            yield from (Batches(x, y, 8)[i] for i in range(3))
 
     monkeypatch.setattr(tf.data.Dataset, "__iter__", spy)
     if kind == "PyDataset":
-        got = acc.fit(model, _Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
+        got = acc.fit(model, Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
         # Keras makes an iterator as each epoch begins and another as it ends (the next
         # epoch's, which it drops): two per epoch, each with one data set per device.
         assert iterated == [False] * 4 * FEW_REPLICAS, iterated
@@ -268,6 +262,6 @@ def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuni
         # One iterator over the stream, kept across epochs under steps_per_epoch.
         assert iterated == [False] * FEW_REPLICAS, iterated
     monkeypatch.undo()
-    want = twin.fit(_Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
+    want = twin.fit(Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
     assert_weights_close(model.get_weights(), twin.get_weights())
