@@ -231,7 +231,7 @@ def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuni
     epoch's per-device data sets run without an autotuning thread (an idle wait of seconds
     to a minute at every epoch boundary otherwise), and the fit equals plain Keras's."""
     if backend != "tensorflow" or num_devices < 2:
-        pytest.skip("tf.distribute's MirroredStrategy over several devices")
+        pytest.skip("TensorFlow's per-device data sets: MirroredStrategy over several devices")
     import tensorflow as tf
 
     acc = Accelerator(devices=FEW_REPLICAS, steps_per_execution=1)

@@ -134,22 +134,25 @@ class Runtime(runtime.Runtime):
                 "Grain data set has no tf.data form here. Received: "
                 f"{type(batches.source).__name__}. Pass arrays or a tf.data.Dataset."
             )
-        else:
-            if isinstance(batches, IterableBatches):
-                refuse_preprocessing(batches, preprocess)
-                source = stream(batches, carry_mask=carry_mask)  # Keras's route for generators.
-            else:
-                # A user's PyDataset: Keras's own route (tf.data from a generator).
-                source = StaticBatchDataset(batches, carry_mask=carry_mask)
-            if self.native is None or self.plan.strategy == "tpu" or not carry_mask:
-                return source  # Keras distributes it (`Accelerator.dataset`: as it says).
-            return KerasRouteAdapter(source, self.native)
+        elif isinstance(batches, IterableBatches):
+            refuse_preprocessing(batches, preprocess)
+            return self._keras_route(stream(batches, carry_mask=carry_mask), carry_mask)
+        else:  # A user's PyDataset: Keras's own route (tf.data from a generator).
+            return self._keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
         if self.native is None or self.plan.strategy == "tpu":
             return pipeline  # Keras distributes it (TPU: experimental_distribute_dataset).
         if not carry_mask and self.plan.strategy != "multi_worker":
             return pipeline  # `Accelerator.dataset`: a tf.data.Dataset, as it says.
         distributed = self.distribute(pipeline, batches.plan.static_rows)
         return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
+
+    def _keras_route(self, source, carry_mask: bool):
+        """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
+        Keras distributes it (`Accelerator.dataset`: as it says), else through Keras's own
+        adapter with our per-device data sets (`KerasRouteAdapter`)."""
+        if self.native is None or self.plan.strategy == "tpu" or not carry_mask:
+            return source
+        return KerasRouteAdapter(source, self.native)
 
     def distribute(self, pipeline, static_rows: int, own: bool = False):
         """Global batches of `static_rows` rows as the strategy's distributed data set: each
