@@ -139,7 +139,11 @@ def main() -> int:
         f"trainable (LoRA rank {args.lora_rank})"
     )
     embedding = model.backbone.get_layer("token_embedding").embeddings
-    print(f"layout:   token_embedding {tuple(embedding.shape)} {embedding.value.sharding.spec}")
+    # Over a mesh the weight's sharding names its layout (`spec`); on one device, JAX holds
+    # it whole there (a SingleDeviceSharding, which has no spec).
+    sharding = embedding.value.sharding
+    placed = getattr(sharding, "spec", None) or f"whole on {len(sharding.device_set)} device"
+    print(f"layout:   token_embedding {tuple(embedding.shape)} {placed}")
     history = acc.fit(model, texts, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
     for epoch, (loss, accuracy) in enumerate(
         zip(history.history["loss"], history.history["accuracy"]), 1

@@ -1,7 +1,9 @@
 """Every python block of the README and docs/ runs, and prints what the page says it prints.
 
 A print's expected output is written in a comment on the next line (`# ...`); a claim ending
-in " ..." is a prefix. A block whose first line is `# KERAS_BACKEND=jax` runs on JAX only.
+in " ..." is a prefix. A block whose first line is `# KERAS_BACKEND=jax` runs on JAX only; one
+with an opening comment line `# N devices: ...` prints what N devices give, and is skipped when
+the suite runs on fewer (KERAS_ACCEL_TEST_DEVICES).
 Pages with their own doc test (docs/schedules.md) are skipped here.
 """
 
@@ -13,6 +15,7 @@ import re
 import keras
 import pytest
 
+from tests.conftest import NUM_DEVICES
 from tests.helpers import run_docstring_examples
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,12 +70,33 @@ def check_claims(block: str, printed: list[str]) -> None:
             assert out == claim, (out, claim)
 
 
+def devices_needed(block: str) -> int:
+    """The device count a block's opening comments say it needs (`# 8 devices: ...`), or 1."""
+    for line in block.splitlines():
+        if not line.startswith("#"):
+            break
+        said = re.match(r"# (\d+) devices\b", line)
+        if said:
+            return int(said.group(1))
+    return 1
+
+
+def test_blocks_that_need_devices_say_so():
+    # docs/sharding.md's layouts are those of 8 devices; a reader on one learns it from the
+    # block itself (issue 34), and the suite run on fewer devices skips them.
+    sharding = [b for p, _, b in BLOCKS if p.name == "sharding.md"]
+    assert [devices_needed(b) for b in sharding[:4]] == [8, 8, 8, 8]
+
+
 @pytest.mark.parametrize("page,index,block", BLOCKS, ids=[f"{p.name}[{i}]" for p, i, _ in BLOCKS])
 def test_doc_block(page, index, block):
     # A block that opens with this comment shows a JAX-only feature (its page says what
     # TensorFlow does instead, and a test of the package checks that).
     if block.startswith("# KERAS_BACKEND=jax") and keras.backend.backend() != "jax":
         pytest.skip("a JAX-only example (its first line says so)")
+    needed = devices_needed(block)
+    if needed > NUM_DEVICES:
+        pytest.skip(f"an example on {needed} devices (it says so); the suite has {NUM_DEVICES}")
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         exec(compile(block, f"{page.name}[block {index}]", "exec"), {"__name__": "__doc__"})

@@ -115,3 +115,17 @@ def test_gemma_lora_example_learns_and_generates():
     assert len(losses) == 6 and losses[-1] < 0.6 * losses[0], out
     generated = next(line for line in out.splitlines() if line.startswith("generate:"))
     assert generated.startswith("generate: 'the owl' -> 'the owl"), out
+
+
+@needs_keras_hub
+def test_gemma_lora_example_runs_on_one_device():
+    # As a user without accelerators first runs it (no --virtual-devices): one device, where
+    # a weight's JAX sharding has no layout `spec` to print (issue 34). One short epoch.
+    from tests.conftest import BACKEND
+
+    if BACKEND != "jax":
+        pytest.skip("gemma_lora.py is JAX-only; its refusal on TensorFlow is tested above")
+    out = _run("gemma_lora.py", "--epochs=1", "--samples=32")
+    assert "fsdp over 1 device(s), mesh (1, 1)" in out, out
+    assert "token_embedding (28, 64) whole on 1 device" in out, out
+    assert "epoch 1: loss " in out and "generate: 'the owl' -> 'the owl" in out, out
