@@ -84,12 +84,13 @@ class DirectoryLock:
         if same_host and pid == os.getpid():
             other = _HELD.get(self.directory)
             other = other() if other is not None else None
-            # Another callback of this process that is training a different model right
-            # now is a real conflict; anything else is a leftover of an aborted fit.
+            # Another callback of this process whose fit of a different model is running
+            # now is a real conflict; anything else is a leftover of a fit that an exception
+            # or Ctrl-C ended (Keras skips on_train_end then): a notebook's next cell.
             return not (
                 other is not None
                 and other is not self._owner()
-                and getattr(other, "_training", False)
+                and other._in_fit()
                 and keras_internals.callback_model(other) is not owner_model
             )
         if same_host and isinstance(pid, int):

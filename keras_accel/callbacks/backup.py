@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -39,6 +40,9 @@ KERAS_METADATA = "training_metadata.json"
 KERAS_FILES = (KERAS_WEIGHTS, KERAS_METADATA, f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")
 # The engine each backup_dir of this process was opened with.
 _OPEN: dict[str, object] = {}
+# The callback each backup_dir of this process was last trained with (weakly): the next fit
+# on that directory lets go of a fit an exception ended (`_abandon`).
+_RUNNING: dict[str, weakref.ref] = {}
 _AT_EXIT = False
 
 
@@ -266,6 +270,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._preempted = False
         self._sets_initial_epoch = False  # A restore set `model._initial_epoch` for Keras.
         self._fit_callbacks: list | None = None  # The other callbacks of the fit in progress.
+        # The fit's keras.callbacks.CallbackList, weakly (None: hooks called directly), to
+        # tell a fit that is running from one that an exception or Ctrl-C ended.
+        self._calls: weakref.ref | None = None
 
     # ------------------------------------------------------------------ hooks
     def set_model(self, model):
@@ -298,23 +305,36 @@ class BackupAndRestore(keras.callbacks.Callback):
         context.resumed_at = None  # A restore below sets it again; an earlier fit's is gone.
         # The others only, and weakly: a reference to itself would make a cycle, and strong
         # ones would keep a failed fit's callbacks (and their models) alive while this one is.
-        found = keras_internals.calling_callbacks(self)
+        calls = keras_internals.calling_callback_list(self)
+        self._calls = None if calls is None else weakref.ref(calls)
         self._fit_callbacks = (
-            None if found is None else [weakref.ref(c) for c in found if c is not self]
+            None if calls is None else [weakref.ref(c) for c in calls.callbacks if c is not self]
         )
-        if process.is_chief():
-            self._prepare_directory()
-            self._lock.acquire(model)
-        # The others read the directory once the chief has made (or cleaned) it.
-        process.barrier("keras_accel.BackupAndRestore.on_train_begin", model)
+        # A fit of this process that an exception or Ctrl-C ended left its callback on this
+        # directory mid-run (Keras skips on_train_end): it lets go first (lock, SIGTERM
+        # handler, background saves), so a rebuilt model resumes in the same process.
+        previous = _RUNNING.get(self.backup_dir)
+        previous = previous() if previous is not None else None
+        if previous is not None and previous is not self and not previous._in_fit():
+            previous._abandon()
+        if context.kind is not None:
+            # Inside an Accelerator call: let go as soon as the call ends, however it ends.
+            context.call_on_exit(self._abandon)
         try:
+            if process.is_chief():
+                self._prepare_directory()
+                self._lock.acquire(model)
+            # The others read the directory once the chief has made (or cleaned) it.
+            process.barrier("keras_accel.BackupAndRestore.on_train_begin", model)
             self.restore()
         except BaseException:
             # Leave the directory as it was: nothing saved, nobody locked out.
             self._close()
             self._lock.release()
             self._training = False
+            self._calls = None
             raise
+        _RUNNING[self.backup_dir] = weakref.ref(self)
         self._stop_watch()  # One a fit that raised left behind.
         self._watch, self._preempted = Watch(model), False
 
@@ -404,8 +424,42 @@ class BackupAndRestore(keras.callbacks.Callback):
         print_msg(message)  # SystemExit prints nothing of its own.
         raise Preempted(message)
 
+    def _in_fit(self) -> bool:
+        """Whether this callback's fit is running now, in any thread of this process. A fit
+        that an exception or Ctrl-C ended never ran `on_train_end`, so `_training` alone
+        cannot say; its CallbackList is then on no thread's stack (a notebook may still
+        hold it, in the traceback it keeps). Hooks called directly, without a fit, run
+        until `on_train_end`."""
+        if not self._training:
+            return False
+        return True if self._calls is None else _on_a_stack(self._calls)
+
+    def _abandon(self) -> None:
+        """Let go of a fit that ended without `on_train_end` (an exception, Ctrl-C,
+        SystemExit): the SIGTERM handler, the epoch a restore set on the model, the saves
+        in flight (finished, not dropped), the engine and the lock. The backups stay, for
+        the next fit to resume from. Nothing to do once `on_train_end` ran."""
+        if not self._training:
+            return
+        self._training = False
+        self._stop_watch()
+        if self._sets_initial_epoch and self._model is not None:
+            keras_internals.set_initial_epoch(self._model, None)
+        self._sets_initial_epoch = False
+        self._replay = None
+        self._fit_callbacks = None
+        self._calls = None
+        try:
+            with contextlib.suppress(Exception):  # The fit's own error is the news.
+                self.wait()
+        finally:
+            self._close()
+            if process.is_chief():
+                self._lock.release()
+
     def on_train_end(self, logs=None):
         self._training = False
+        self._calls = None
         self._stop_watch()
         model = self._model
         # Keras never clears the epoch a restore set: a later fit would skip epochs.
@@ -418,7 +472,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._fit_callbacks = None
         try:
             self.wait()  # The last save is on disk before fit returns.
-            if process.is_chief() and self.delete_checkpoint:
+            if self.delete_checkpoint:
+                # Every process: an engine's deletion may be collective (Orbax's is).
                 self._delete_all()
         finally:
             self._close()
@@ -611,7 +666,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _quietly(files.remove, files.join(self.backup_dir, name))
 
     def _delete_all(self) -> None:
+        """Every process calls this: the engine deletes (Orbax meets the other processes
+        there; tf.train deletes from the chief only), then the chief tidies the directory."""
         self._open().delete_all()
+        if not process.is_chief():
+            return
         self._remove_keras_files()
         remaining = [n for n in self._listdir() if n != LOCK_NAME]
         self._lock.release()
@@ -718,9 +777,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         return tree.variables(model)
 
     def _keyed_as(self, state: dict, saved: dict) -> dict:
-        """`state` under the keys of a backup's manifest (older backups keyed seed states
-        by Keras's creation-ordered names; `tree.readable`)."""
-        return tree.readable(state, tree.variables(self.model, legacy=True), saved)
+        """`state` under the keys of a backup's manifest: older backups keyed seed states
+        by Keras's creation-ordered names (`tree.readable`); a model built again in this
+        Python session has Keras's next automatic names (`tree.renumbered`)."""
+        readable = tree.readable(state, tree.variables(self.model, legacy=True), saved)
+        return tree.renumbered(readable, saved)
 
     def _check_layout(self, listed: set[str], steps: list[int]) -> None:
         """A directory of another format is refused with what it is, never ignored."""
@@ -924,6 +985,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             return files.listdir(self.backup_dir)
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+
+def _on_a_stack(ref: weakref.ref) -> bool:
+    """Whether a frame running now, in any thread, holds the object of `ref` among its
+    locals (this function's own frame aside: it holds it to compare)."""
+    here = inspect.currentframe()
+    target = ref()
+    if target is None:
+        return False
+    for top in sys._current_frames().values():
+        frame = top
+        while frame is not None:
+            if frame is not here and any(value is target for value in frame.f_locals.values()):
+                return True
+            frame = frame.f_back
+    return False
 
 
 def _optional_rate(optimizer) -> float | None:

@@ -160,12 +160,10 @@ def to_restore(
     if reshaped:
         problems.append(f"of another shape: {_names(reshaped)}")
     if problems and not partial:
-        renumbered = _renumbered(missing, extra)
         raise IncompatibleCheckpoint(
             f"The checkpoint {source} does not fit this model; variables "
             + "; ".join(problems)
             + ". "
-            + (renumbered or "")
             + "Restore it into the model (and optimizer) it was saved from, pass "
             "BackupAndRestore(partial_restore=True) to restore only the variables that match, "
             "or use another backup_dir."
@@ -180,22 +178,50 @@ def to_restore(
     return chosen
 
 
+# Keras numbers the layers, models and optimizers it names itself per Python session
+# (`dense`, `dense_1`, ...; `adam_1/sequential_1_dense_2_kernel_momentum`).
 _COUNTER = re.compile(r"_\d+(?=/|_|$)")
 
 
-def _renumbered(missing: list[str], extra: list[str]) -> str | None:
-    """A hint when the names differ only in Keras's automatic numbering of layers."""
-    if not missing or len(missing) != len(extra):
-        return None
-    strip = lambda key: _COUNTER.sub("", key)  # noqa: E731
-    if sorted(map(strip, missing)) != sorted(map(strip, extra)):
-        return None
-    return (
-        f"The names differ only in Keras's automatic numbering (saved {extra[0]!r}, here "
-        f"{missing[0]!r}): the model was built again in this Python session, where Keras "
-        "numbers new layers on. Build it in a fresh process (as a resumed run does), call "
-        "keras.backend.clear_session() before building it, or give its layers names. "
-    )
+def renumbered(state: dict[str, keras.Variable], saved: dict) -> dict[str, keras.Variable]:
+    """`state` under the checkpoint's keys where they differ only in Keras's automatic
+    numbering: the same architecture built again in one Python session (a notebook's next
+    cell), whose layers Keras numbers on (`sequential_1/dense_2/kernel` where the backup
+    has `sequential/dense/kernel`).
+
+    Applied only when the model and optimizer keys do not all match as they are. Keys that
+    are the same once their numbers are removed pair up in order (the order of the model's
+    and optimizer's variables, which the checkpoint's manifest keeps), as Keras's own
+    `load_weights` pairs a model's layers; each such group must have as many model and
+    optimizer variables on both sides, else `state` comes back as it is and `to_restore`
+    names the difference. Shapes are checked by `to_restore` afterwards: a model that does
+    not fit is still refused.
+    """
+
+    def strict(key: str) -> bool:
+        return key.split("/", 1)[0] in STRICT
+
+    if {k for k in state if strict(k)} == {k for k in saved if strict(k)}:
+        return state
+    ours: dict[str, list[str]] = {}
+    theirs: dict[str, list[str]] = {}
+    for key in state:
+        ours.setdefault(_COUNTER.sub("", key), []).append(key)
+    for key in saved:
+        theirs.setdefault(_COUNTER.sub("", key), []).append(key)
+    for stripped in set(ours) | set(theirs):
+        mine = [k for k in ours.get(stripped, []) if strict(k)]
+        other = [k for k in theirs.get(stripped, []) if strict(k)]
+        if len(mine) != len(other):
+            return state
+    mapped = {}
+    for stripped, keys in ours.items():
+        names = theirs.get(stripped, [])
+        if len(names) != len(keys):
+            names = keys  # Metric totals or seeds that differ in number: only refinements.
+        for key, name in zip(keys, names, strict=True):
+            mapped[name] = state[key]
+    return mapped
 
 
 def _names(items: list, limit: int = 10) -> str:

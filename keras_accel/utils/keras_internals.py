@@ -809,9 +809,9 @@ def tf_device_datasets_without_autotune():
             module._create_device_dataset = original
 
 
-def calling_callbacks(callback) -> list | None:
-    """The callbacks of the `keras.callbacks.CallbackList` whose hook is calling
-    `callback`'s, or None where none is (hooks called directly).
+def calling_callback_list(callback):
+    """The `keras.callbacks.CallbackList` whose hook is calling `callback`'s, or None where
+    none is (hooks called directly).
 
     Keras hands a callback the model and `params`, never its siblings, and `fit` keeps its
     CallbackList to itself; the list dispatches each hook from one of its own methods, so
@@ -827,7 +827,7 @@ def calling_callbacks(callback) -> list | None:
         if isinstance(owner, keras.callbacks.CallbackList) and any(
             each is callback for each in owner.callbacks
         ):
-            return list(owner.callbacks)
+            return owner
         frame = frame.f_back
     return None
 

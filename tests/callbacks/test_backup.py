@@ -359,14 +359,27 @@ def test_partial_restore_takes_what_matches_and_names_the_rest(tmp_path):
     np.testing.assert_array_equal(grown.layers[-1].kernel.numpy(), head)  # Reshaped: kept.
 
 
-def test_a_model_built_again_in_one_session_is_told_why_names_differ(tmp_path):
+def test_a_model_built_again_in_one_session_restores_and_a_wider_one_is_refused(tmp_path):
+    """A notebook's next cell builds the same model again without clear_session: Keras
+    names it `sequential_1/dense_2/...`, `adam_1/...`; the backup (`sequential/dense/...`)
+    still restores, variable for variable, as Keras's own BackupAndRestore would. A model of
+    other widths is still refused, by name."""
+    model = _fresh()
+    _shift(model, 0.25)
+    saved = [np.asarray(v.numpy()) for v in [*model.variables, *model.optimizer.variables]]
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
-    _start(backup, _fresh())
+    _start(backup, model)
     backup.save(1, 0)
     backup.on_train_end()
     again = _compiled_and_built()  # No clear_session: Keras numbers its layers on.
-    with pytest.raises(ValueError, match=r"differ only in Keras's automatic numbering"):
-        _start(BackupAndRestore(str(tmp_path)), again)
+    assert again.layers[0].kernel.path != model.layers[0].kernel.path
+    _start(BackupAndRestore(str(tmp_path), delete_checkpoint=False), again)
+    restored = [np.asarray(v.numpy()) for v in [*again.variables, *again.optimizer.variables]]
+    for want, got in zip(saved, restored, strict=True):
+        np.testing.assert_array_equal(got, want)
+    wider = _compiled_and_built(classes=4)
+    with pytest.raises(ValueError, match=r"of another shape: 'model/sequential/dense_1/kernel'"):
+        _start(BackupAndRestore(str(tmp_path)), wider)
 
 
 def test_rotation_keeps_max_to_keep(tmp_path):

@@ -30,9 +30,13 @@ INTERNALS = PACKAGE / "utils" / "keras_internals.py"
 
 # (file, name): why. Short, one reason each.
 ALLOWED = {
-    ("keras_accel/callbacks/_lock.py", "_training"): (
-        "BackupAndRestore's own flag, read by the directory lock that BackupAndRestore owns "
-        "(one of ours, in another module)"
+    ("keras_accel/callbacks/_lock.py", "_in_fit"): (
+        "BackupAndRestore's own question (is its fit running?), asked by the directory lock "
+        "that BackupAndRestore owns (one of ours, in another module)"
+    ),
+    ("keras_accel/callbacks/backup.py", "_current_frames"): (
+        "stdlib: sys._current_frames is documented API, the only view of other threads' "
+        "stacks (is an interrupted fit still running anywhere?)"
     ),
     ("keras_accel/callbacks/backup.py", "_register_atexit"): (
         "stdlib: CPython's hook that runs before threading's pools shut down (Python >= 3.9; "
