@@ -579,6 +579,7 @@ class Accelerator:
         """`model.fit` on every device, with static batches. Same arguments and return value
         (a `keras.callbacks.History`) as Keras."""
         self.prepare(model)
+        verbose = _chief_only(verbose)
         x = _standardize_inputs(model, x)
         if validation_split:
             if validation_data is not None:
@@ -639,7 +640,9 @@ class Accelerator:
                 verbose=verbose,
                 # Rows are shuffled per epoch by our batches; Keras must keep their order.
                 shuffle=False,
-                callbacks=[sync, *(callbacks or []), *self._own_callbacks()],
+                callbacks=fusion.progress(
+                    [sync, *(callbacks or []), *self._own_callbacks()], verbose
+                ),
                 validation_data=None if val is None else self._runtime.wrap(val, True, preprocess),
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
@@ -663,6 +666,7 @@ class Accelerator:
         single-device result: padding rows carry weight 0, real rows a uniform weight.
         `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
+        verbose = _chief_only(verbose)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
         batches = self.feeder.batches(
@@ -683,7 +687,7 @@ class Accelerator:
                 data,
                 verbose=verbose,
                 steps=steps,
-                callbacks=self._with_own(callbacks),
+                callbacks=fusion.progress(self._with_own(callbacks), verbose),
                 return_dict=return_dict,
             )
         self.guard.mark_warm(model, "test")
@@ -705,6 +709,7 @@ class Accelerator:
         (docs/multi_host.md), each global batch holds every process's next rows: the rows
         are all there once, in the order of the processes' batches, not the pipeline's."""
         self.prepare(model)
+        verbose = _chief_only(verbose)
         x = _standardize_inputs(model, x)
         batch_size = self._default_batch_size(model, x, batch_size)
         batches = self.feeder.batches(x, None, batch_size, False, None, None, False, None, True)
@@ -718,7 +723,10 @@ class Accelerator:
         # The model's step sees `(x,)`, as Keras's own: nothing to build it from for us.
         with self.scope(), self._session(model, contracts, data, batches, None, patch):
             outputs, row_mask = _keras(model, "predict")(
-                data, verbose=verbose, steps=steps, callbacks=self._with_own(callbacks)
+                data,
+                verbose=verbose,
+                steps=steps,
+                callbacks=fusion.progress(self._with_own(callbacks), verbose),
             )
         self.guard.mark_warm(model, "predict")
         # Each batch's row mask came back beside its outputs: keep the real rows.
@@ -770,6 +778,13 @@ def _keras(model, name: str):
     if is_pipeline(model):
         return functools.partial(getattr(keras.Model, name), model)
     return getattr(model, name)
+
+
+def _chief_only(verbose):
+    """`verbose` in the chief process, 0 in the others, which would print the same progress
+    bar and notes again, interleaved with the chief's (the chief alone logs, as it alone
+    writes files)."""
+    return verbose if process.is_chief() else 0
 
 
 def _standardize_inputs(model, x):

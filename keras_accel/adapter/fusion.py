@@ -29,6 +29,7 @@ steps_per_execution=N)` with N > 1, or `Accelerator(steps_per_execution=N)`.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 
 import keras
@@ -44,7 +45,7 @@ _HOOKS = {
     "test": ("on_test_batch_begin", "on_test_batch_end"),
     "predict": ("on_predict_batch_begin", "on_predict_batch_end"),
 }
-# Models already told about their fusion, per message: each note is printed once.
+# Models already told about their fusion, per reason (`note`): each note is printed once.
 _NOTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # id(model) -> the model's own steps_per_execution, while a call has set ours on it (a call
 # made inside another's callback must see the user's value, not the outer call's).
@@ -136,13 +137,20 @@ def _limit(name: str, period: int, hooks: list[str]) -> str:
 
 
 def note(model, n: int, why: str, verbose) -> None:
-    """Say once per model and choice what fusion does (only where fit prints anything)."""
+    """Say once per model and reason what fusion does (only where the call prints anything).
+
+    The reason is `why` without its numbers: they follow each call's step count (a fit of
+    15 steps per epoch fuses 15, its evaluate of 16 steps 16, a fit on more rows 32), and a
+    note repeated for each would be printed at nearly every `fit` and `evaluate`. What the
+    user can act on (fusion on, or off because of which callback) is said once.
+    """
     if not verbose or n == 1 and "bounded" not in why:
         return
+    reason = re.sub(r"\d+", "N", why)
     seen = _NOTED.setdefault(model, set())
-    if why in seen:
+    if reason in seen:
         return
-    seen.add(why)
+    seen.add(reason)
     if n > 1:
         print_msg(
             f"keras_accel: steps_per_execution={n} ({why}); batch callbacks fire every {n} "
@@ -165,3 +173,41 @@ def install(
         hook = getattr(callback, "set_run_context", None)
         if hook is not None:
             hook(context)
+
+
+class ProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, counting steps only up to the real end of an epoch.
+
+    Keras reports a group of N fused steps as ending N - 1 steps after its first, also for
+    a last group that holds fewer (a 79-step epoch in groups of 32 ends at "96/79"). This
+    bar shows such a group as ending at the last step (79/79), and is Keras's own
+    otherwise. The Accelerator gives it in place of the one Keras would add (`progress`);
+    its batch ends may run in Keras's callback thread, as those of Keras's own bar do.
+    """
+
+    async_safe = True
+
+    def _last(self, batch: int) -> int:
+        target = self.target
+        return batch if target is None else min(batch, int(target) - 1)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(self._last(batch), logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        super().on_test_batch_end(self._last(batch), logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        super().on_predict_batch_end(self._last(batch), logs)
+
+
+def progress(callbacks, verbose):
+    """The callbacks for Keras's call, with a `ProgressBar` where Keras would add its own
+    (verbose on, and no `ProgbarLogger` among them); a `CallbackList` is the user's whole
+    choice and passes as it is."""
+    if isinstance(callbacks, keras.callbacks.CallbackList) or not verbose:
+        return callbacks
+    callbacks = list(callbacks or [])
+    if any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        return callbacks
+    return [*callbacks, ProgressBar()]

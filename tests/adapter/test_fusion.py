@@ -13,6 +13,7 @@ from keras_accel import Accelerator
 from keras_accel.adapter import fusion
 from keras_accel.callbacks import BackupAndRestore, History, LearningRateScheduler
 from keras_accel.schedules import PiecewiseConstant
+from keras_accel.utils import process
 
 BATCH = 16
 ROWS = 600  # 38 steps per epoch: auto fuses 32, then a last group of 6 (and a padded batch).
@@ -53,7 +54,7 @@ def _schedule():
     return PiecewiseConstant([0.05, 0.01, 0.002], boundaries=[0.3, 0.6], unit="fraction")
 
 
-def _fit(fuse, callbacks, epochs=3, rows=ROWS, validation=True, **compile_args):
+def _fit(fuse, callbacks, epochs=3, rows=ROWS, validation=True, verbose=0, **compile_args):
     acc = Accelerator(seed=0, devices=DEVICES, steps_per_execution=fuse)
     model = _model(acc, **compile_args)
     x, y = _data(rows)
@@ -64,7 +65,7 @@ def _fit(fuse, callbacks, epochs=3, rows=ROWS, validation=True, **compile_args):
         y,
         batch_size=BATCH,
         epochs=epochs,
-        verbose=0,
+        verbose=verbose,
         callbacks=callbacks,
         validation_data=(vx, vy) if validation else None,
     )
@@ -157,7 +158,7 @@ def test_validation_batch_hooks_count_too():
     assert n == 1 and "on_test_batch_end" in why, why
 
 
-def test_explicit_steps_per_execution_wins_and_stays_the_users():
+def test_explicit_steps_per_execution_wins_and_stays_the_users(progress):
     seen = []
     hooks = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: seen.append(batch)
@@ -165,25 +166,54 @@ def test_explicit_steps_per_execution_wins_and_stays_the_users():
     acc, model, _ = _fit("auto", [hooks], epochs=1, validation=False, steps_per_execution=4)
     assert seen[:3] == [3, 7, 11] and model.steps_per_execution == 4
     seen.clear()
-    acc, model, _ = _fit(5, [hooks], epochs=1, validation=False)
+    acc, model, _ = _fit(5, [hooks], epochs=1, validation=False, verbose=1)
     assert seen[:3] == [4, 9, 14] and model.steps_per_execution == 1
     assert acc.num_recompiles == 0
+    # 38 steps in groups of 5: the callbacks see Keras's numbering (the last group "ends"
+    # at 39), the progress bar stops at the epoch's 38 steps.
+    assert seen[-1] == 39 and max(progress) == (38, 38), progress
 
 
-def test_fused_evaluate_equals_unfused_and_predict_returns_every_row():
+@pytest.fixture
+def progress(monkeypatch):
+    """Every step count Keras's progress bars show, with their targets (`(current, target)`)."""
+    shown = []
+    update = keras.utils.Progbar.update
+
+    def spy(bar, current, values=None, finalize=None):
+        shown.append((current, bar.target))
+        return update(bar, current, values, finalize)
+
+    monkeypatch.setattr(keras.utils.Progbar, "update", spy)
+    return shown
+
+
+def test_fused_evaluate_equals_unfused_and_predict_returns_every_row(capsys, monkeypatch, progress):
     x, y = _data()
     results = {}
     for spe in (1, "auto"):
         acc = Accelerator(seed=0, devices=DEVICES, steps_per_execution=spe)
         model = _model(acc)
+        verbose = 1 if spe == "auto" else 0
         results[spe] = (
-            acc.evaluate(model, x, y, batch_size=BATCH, verbose=0, return_dict=True),
+            acc.evaluate(model, x, y, batch_size=BATCH, verbose=verbose, return_dict=True),
             acc.predict(model, x, batch_size=BATCH, verbose=0),
         )
         assert fusion.choose(spe, model, "test", 38, [])[0] == (1 if spe == 1 else 32)
     assert results[1][0] == pytest.approx(results["auto"][0], rel=1e-6)
     assert results["auto"][1].shape == (ROWS, 1)
     np.testing.assert_allclose(results[1][1], results["auto"][1], rtol=1e-6)
+    # 38 steps in groups of 32: Keras numbers the last group's end 63; the bar stops at 38.
+    assert progress and all(current <= target for current, target in progress), progress
+    assert (38, 38) in progress, progress
+    # Another evaluation of the same model, 19 steps (fused 19): its note was said already.
+    acc.evaluate(model, x[:300], y[:300], batch_size=BATCH, verbose=1)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "keras_accel:" in line]
+    assert len(notes) == 1 and "steps_per_execution=32" in notes[0], notes
+    # In a process other than the chief, nothing is printed (`keras-accel launch`).
+    monkeypatch.setattr(process, "is_chief", lambda: False)
+    acc.evaluate(model, x, y, batch_size=BATCH, verbose=1)
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("value", [0, -2, 2.5, "fast", True])
