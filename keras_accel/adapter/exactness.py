@@ -115,13 +115,22 @@ def _returns_scalar(loss, y_true, y_pred) -> bool:
         values = inner(y_true, y_pred, **kwargs) if inner is not None else loss.call(y_true, y_pred)
     else:
         values = loss(y_true, y_pred)
+    return _batch_scalar(values)
+
+
+def _batch_scalar(values) -> bool:
+    """One value for the whole batch, computed from it. A Python number (Keras's trainer
+    tests' `lambda y_true, y_pred: 1.0`, which Keras takes) is a constant: a mean of it,
+    weighted or not, is the same number, so padding rows cannot change it."""
+    if isinstance(values, (int, float, np.number)) or values is None:
+        return False
     return len(ops.shape(values)) == 0
 
 
 def _ignores_weights(metric, y_true, y_pred) -> bool:
     if not isinstance(metric, keras.metrics.Metric):
         values = metric(y_true, y_pred)  # A function: Keras averages what it returns.
-        return len(ops.shape(values)) == 0
+        return _batch_scalar(values)
     # The real rows alone, against the real rows and rows weighted 0 after them: rows with
     # shifted labels, then rows with shifted predictions (either may happen to score like
     # the real ones; both rarely).

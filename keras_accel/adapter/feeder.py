@@ -117,8 +117,25 @@ class Feeder:
         return batches
 
 
+# (batch_size, replicas) pairs whose small-batch note this process has printed.
+_SMALL_BATCH_NOTES: set[tuple[int, int]] = set()
+
+
 def _warn_if_indivisible(batch_size: int, static_rows: int, num_replicas: int) -> None:
-    if static_rows != batch_size:
+    if batch_size < num_replicas:
+        # Keras's own tests and small-data users meet this at every call: said once.
+        if (batch_size, num_replicas) in _SMALL_BATCH_NOTES:
+            return
+        _SMALL_BATCH_NOTES.add((batch_size, num_replicas))
+        warnings.warn(
+            f"keras_accel: batch_size={batch_size} is smaller than the {num_replicas} "
+            f"replicas; every batch is padded to {static_rows} rows of weight 0 (the "
+            f"results are those of the real rows, but {num_replicas - batch_size} of "
+            f"{num_replicas} replicas compute on padding only). Use a batch_size that is a "
+            f"multiple of {num_replicas} to use every replica.",
+            stacklevel=user_stacklevel(),
+        )
+    elif static_rows != batch_size:
         warnings.warn(
             f"keras_accel: batch_size={batch_size} does not split over {num_replicas} "
             f"replicas; every batch is padded to {static_rows} rows "

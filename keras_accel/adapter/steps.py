@@ -186,9 +186,10 @@ def install_metric_masks(patches: Patches, model) -> None:
 
     def install():
         flat, weighted = keras_internals.built_compiled_metrics(compiled)
-        for metric in flat:
-            if metric is not None:
-                patches.set(metric, "update_state", _masked_update(metric.update_state))
+        # Per output a list of metrics (Keras's MetricsList, which updates each in turn):
+        # each its own, so that a metric function returning one value is seen as one.
+        for metric in _innermost(flat):
+            patches.set(metric, "update_state", _masked_update(metric))
         for metric in weighted:
             if metric is not None:
                 patches.set(metric, "update_state", _unscaled_update(metric.update_state))
@@ -212,14 +213,50 @@ def after_build(patches: Patches, container, install: Callable) -> None:
     patches.set(container, "build", build)
 
 
-def _masked_update(original):
+def _innermost(metrics):
+    """The metrics that update state themselves, inside Keras's per-output lists."""
+    for metric in metrics or []:
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner is not metrics:
+            yield from _innermost(inner)
+        elif metric is not None:
+            yield metric
+
+
+def _masked_update(metric):
+    original = metric.update_state
+    fn = keras_internals.wrapped_function(metric)
+    if fn is not None and _is_keras(fn):
+        fn = None  # Keras's metric functions return one value per row.
+
     def update_state(y_true, y_pred, sample_weight=None):
         mask = ROW_MASK.get()
-        if sample_weight is None and mask is not None:
+        if (
+            sample_weight is None
+            and mask is not None
+            and not _one_value(fn, metric, y_true, y_pred)
+        ):
             sample_weight = ops.cast(mask, "float32")
         return original(y_true, y_pred, sample_weight=sample_weight)
 
     return update_state
+
+
+def _one_value(fn, metric, y_true, y_pred) -> bool:
+    """Whether a user's metric function returns one value for the batch, which Keras
+    averages unweighted (a row mask cannot be broadcast to it). Such a value that the batch
+    computes is refused or kept from padding before the call (`keras_accel.adapter.
+    exactness`); what gets here is a constant (`lambda y_true, y_pred: 1.0`, in Keras's
+    trainer tests), which no padding row changes. Called at trace time only: the extra
+    call of a function returning rows is the same computation, merged by the compiler."""
+    if fn is None:
+        return False
+    values = fn(y_true, y_pred, **keras_internals.wrapped_kwargs(metric))
+    return not hasattr(values, "shape") or len(values.shape) == 0
+
+
+def _is_keras(fn) -> bool:
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "keras"
 
 
 def _unscaled_update(original):

@@ -53,20 +53,14 @@ REMAINDER_POLICIES = ("pad", "drop")
 def static_batch_size(batch_size: int, num_replicas: int) -> int:
     """The padded batch size: `batch_size` rounded up to a multiple of `num_replicas`.
 
-    Raises:
-        ValueError: when `batch_size` is smaller than the replica count, since most replicas
-            would then compute on padding alone.
+    A batch smaller than the replica count is padded up to one row per replica (plain Keras
+    trains it on one device): the replicas without a real row compute on padding, weighted
+    out like any other (`keras_accel.adapter.feeder` says so, once).
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool):
         raise TypeError(f"`batch_size` must be an integer. Received: batch_size={batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"`batch_size` must be positive. Received: batch_size={batch_size}")
-    if batch_size < num_replicas:
-        raise ValueError(
-            f"`batch_size` must be at least the number of replicas, so that every replica "
-            f"gets a real row. Received: batch_size={batch_size} with num_replicas="
-            f"{num_replicas}. Use batch_size={num_replicas} or a larger multiple of it."
-        )
     return int(math.ceil(batch_size / num_replicas) * num_replicas)
 
 

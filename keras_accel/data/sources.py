@@ -71,7 +71,9 @@ def to_numpy(structure: Any, name: str) -> Any:
     if isinstance(structure, (list, tuple)):
         if structure and not any(_is_leaf_array(item) for item in structure):
             return np.asarray(structure)
-        return type(structure)(to_numpy(item, name) for item in structure)
+        # A list of inputs or targets becomes a tuple, as Keras's data adapters make it
+        # (`tree.lists_to_tuples`): tf.data would read a list as one stacked tensor.
+        return tuple(to_numpy(item, name) for item in structure)
     if isinstance(structure, np.ndarray):
         return structure
     if hasattr(structure, "numpy") and callable(structure.numpy):  # tf.Tensor, strings too

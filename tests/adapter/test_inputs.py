@@ -205,3 +205,36 @@ def test_dataset_method_feeds_plain_model_fit():
     last_x, _, last_w = batches[-1]
     assert np.asarray(last_x).shape[0] == 8
     np.testing.assert_array_equal(np.asarray(last_w)[6:], 0.0)
+
+
+def test_lists_of_inputs_and_targets_work_as_in_keras():
+    # `x=[a, b, c]` and `y=[y1, y2]` as Python lists, which Keras takes as tuples (on
+    # TensorFlow tf.data would read a list as one stacked tensor).
+    def build():
+        inputs = [keras.Input((3,), name=name) for name in "abc"]
+        hidden = keras.layers.Concatenate()(inputs)
+        outputs = [
+            keras.layers.Dense(1, name="o1")(hidden),
+            keras.layers.Dense(2, name="o2")(hidden),
+        ]
+        model = keras.Model(inputs, outputs)
+        model.compile("sgd", ["mse", "mse"], metrics=[["mae"], ["mae"]])
+        return model
+
+    acc = Accelerator(devices=FEW_REPLICAS)
+    with acc.scope():
+        model = build()
+    twin = build()
+    twin.set_weights(model.get_weights())
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(8, 3)).astype("float32") for _ in range(3)]
+    y = [rng.normal(size=(8, 1)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")]
+    history = acc.fit(model, x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    expected = twin.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    logs = acc.evaluate(model, x, y, batch_size=4, verbose=0, return_dict=True)
+    assert logs == pytest.approx(twin.evaluate(x, y, batch_size=4, verbose=0, return_dict=True))
+    for ours, theirs in zip(acc.predict(model, x, batch_size=4, verbose=0), twin.predict(x)):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)

@@ -4,6 +4,7 @@ custom step's own averaged loss keeps Keras's convention on TensorFlow (docs/acc
 "Custom steps")."""
 
 import keras
+import numpy as np
 import pytest
 from keras import ops
 
@@ -154,3 +155,49 @@ def test_a_custom_step_s_own_average_keeps_keras_s_convention_on_tensorflow(back
     acc.fit(ours, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     one_device.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(ours.get_weights(), one_device.get_weights())
+
+
+class UpdatesAMetricInComputeLoss(keras.Model):
+    """Keras's trainer test `test_metric_update_in_compute_loss`: a class's own compute_loss
+    that calls Keras's and updates a metric with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.custom_metric = keras.metrics.Mean(name="custom")
+        self.dense = keras.layers.Dense(2, kernel_initializer="ones")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        self.custom_metric.update_state(loss * 4)
+        return loss
+
+
+def test_a_metric_updated_in_compute_loss_and_jit_compile_give_one_device_s_numbers():
+    # On TF Keras's compute_loss returns each replica's share of the loss (divided by the
+    # replica count): the metric reported 1/N of one device's. jit_compile=True (XLA) fails
+    # under a MirroredStrategy over CPU devices; the call runs without it, with a note.
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+    x = np.ones((32, 4), "float32") * np.linspace(0.5, 1.5, 32)[:, None].astype("float32")
+    y = np.ones((32, 2), "float32") * 2
+
+    def make():
+        model = UpdatesAMetricInComputeLoss()
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        return model
+
+    with acc.scope():
+        ours = make()
+    one_device = make()
+    history = acc.fit(ours, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = one_device.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert ours.jit_compile  # The model keeps what it was compiled with.
+    assert_weights_close(ours.get_weights(), one_device.get_weights())
+    for name in ("loss", "custom"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    logs = acc.evaluate(ours, x, y, batch_size=16, verbose=0, return_dict=True)
+    assert logs == pytest.approx(
+        one_device.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    )

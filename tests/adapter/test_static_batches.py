@@ -165,13 +165,44 @@ def test_drop_remainder_skips_the_partial_batch_and_reshuffles():
     assert counter.batches == [6, 6]
 
 
-def test_batch_size_below_replica_count_is_refused():
+def _one(y_true, y_pred):
+    # A metric function returning a Python float, as in Keras's trainer tests.
+    return 1.0
+
+
+def _compiled_with_metric_functions(**kwargs):
+    model = compiled_mlp(**kwargs)
+    model.compile(
+        optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy", _one]
+    )
+    return model
+
+
+def test_batch_size_below_replica_count_is_padded_and_matches_one_device_keras():
+    # A global batch smaller than the replica count (Keras's trainer tests use 1 to 5):
+    # padded to one row per replica, weighted 0, with a note; losses, metrics,
+    # BatchNormalization statistics and weights are one device's.
     acc = Accelerator()
     with acc.scope():
-        model = compiled_mlp()
-    x, y = data(20)
-    with pytest.raises(ValueError, match="batch_size=4 with num_replicas=8"):
-        acc.fit(model, x, y, batch_size=4, verbose=0)
+        model = _compiled_with_metric_functions()
+    twin = _compiled_with_metric_functions()
+    twin.set_weights(model.get_weights())
+    x, y = data(7)
+    with pytest.warns(UserWarning, match="batch_size=3 is smaller than the 8 replicas") as caught:
+        history = acc.fit(model, x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    assert {w.filename for w in caught} == {__file__}
+    expected = twin.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())  # BN statistics included.
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # The note is said once per process.
+        logs = acc.evaluate(model, x, y, batch_size=3, verbose=0, return_dict=True)
+        predictions = acc.predict(model, x, batch_size=3, verbose=0)
+    for name, value in twin.evaluate(x, y, batch_size=3, verbose=0, return_dict=True).items():
+        np.testing.assert_allclose(logs[name], value, rtol=1e-5, err_msg=name)
+    assert logs["_one"] == 1.0
+    np.testing.assert_allclose(predictions, twin.predict(x, batch_size=3, verbose=0), atol=1e-6)
 
 
 def test_length_mismatch_is_refused_before_training():

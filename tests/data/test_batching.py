@@ -11,8 +11,8 @@ def test_static_batch_size_rounds_up_to_replicas():
     assert static_batch_size(16, 8) == 16
     assert static_batch_size(100, 8) == 104
     assert static_batch_size(3, 1) == 3
-    with pytest.raises(ValueError, match="batch_size=4 with num_replicas=8"):
-        static_batch_size(4, 8)
+    assert static_batch_size(4, 8) == 8  # Below the replica count: one row per replica.
+    assert static_batch_size(1, 8) == 8
     with pytest.raises(ValueError, match="Received: batch_size=0"):
         static_batch_size(0, 1)
     with pytest.raises(TypeError, match="batch_size=2.5"):

@@ -85,6 +85,8 @@ def install_uniform_losses(patches: Patches, model) -> None:
         after_build(patches, compiled, install)
     if not _overrides_compute_loss(model):
         keras_internals.replace_compute_loss(patches, model, _reporting)
+    elif compiled is not None:
+        _install_override_reporting(patches, model, compiled)
 
 
 def _overrides_compute_loss(model) -> bool:
@@ -111,6 +113,51 @@ def _reporting(keras_compute_loss, compute_loss):
         return global_value(share)
 
     return in_keras_step, reported
+
+
+# Inside Keras's own step calling a class's own `compute_loss`: the amounts by which the
+# compiled loss was raised to its global value there (None elsewhere).
+_RAISED: contextvars.ContextVar = contextvars.ContextVar("keras_accel_raised", default=None)
+
+
+def _install_override_reporting(patches: Patches, model, compiled) -> None:
+    """A class's own `compute_loss` that calls `super().compute_loss(...)` from Keras's
+    step (Keras's trainer tests; "update a metric with the loss" in its docs) sees the
+    global batch's loss there, as on one device, and Keras's step still gets the
+    replica's share back.
+
+    Keras's `compute_loss` gets its value from the compiled loss (`CompileLoss.call`), which
+    is raised to the global value (the share's gradient kept, `global_value`) inside Keras's
+    step; whatever the class's `compute_loss` returns then has the raise taken off again,
+    so that Keras reports and differentiates what it would have without us. A `compute_loss`
+    that returns its own loss without calling Keras's keeps Keras's convention (above)."""
+    keras_step_loss = keras_internals.require(
+        model, "_compute_loss", "the loss a class's own compute_loss sees on TF"
+    )
+    original_call = compiled.call
+
+    def call(*args, **kwargs):
+        share = original_call(*args, **kwargs)
+        raised = _RAISED.get()
+        if raised is None or share is None or replicas() == 1:
+            return share
+        value = global_value(share)
+        raised.append(value - share)  # stop_gradient((N - 1) * share): no gradient.
+        return value
+
+    def in_keras_step(*args, **kwargs):
+        raised = []
+        token = _RAISED.set(raised)
+        try:
+            loss = keras_step_loss(*args, **kwargs)
+        finally:
+            _RAISED.reset(token)
+        if loss is None or not raised:
+            return loss
+        return loss - ops.cast(sum(raised), loss.dtype)
+
+    patches.set(compiled, "call", call)
+    patches.set(model, "_compute_loss", in_keras_step)
 
 
 def _per_row(loss, report: bool):

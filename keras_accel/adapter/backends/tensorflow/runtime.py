@@ -91,6 +91,10 @@ class Runtime(runtime.Runtime):
         return n > 1 or self.plan.strategy == "multi_worker"
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if self.num_replicas > 1 and all(
+            name.lower().startswith("cpu") for name in self.plan.devices
+        ):
+            _without_xla(patches, model)
         if self.native is not None and first_batch is not None:
             # Keras builds a model from the first batch it reads (under a strategy, reduced
             # across replicas with MEAN first, which fails for strings and booleans: raw
@@ -318,3 +322,33 @@ class DistributedBatches(PaddedBatchesAdapter):
     @property
     def num_batches(self):
         return self._num_batches
+
+
+_XLA_NOTED: list[bool] = []
+
+
+def _without_xla(patches: Patches, model) -> None:
+    """`compile(jit_compile=True)` under a MirroredStrategy over several CPU devices: the
+    call runs its steps as plain `tf.function`s. TensorFlow places every replica's XLA
+    cluster on the first CPU device, which then reads the other replicas' variables ("Trying
+    to access resource ... located in device CPU:1 from device CPU:0"): raw Keras fails
+    there too. Keras itself turns XLA off where it cannot run (`model_supports_jit`); the
+    numbers are the same, and the model keeps `jit_compile=True` after the call."""
+    if not model.jit_compile:
+        return
+    if not _XLA_NOTED:
+        _XLA_NOTED.append(True)
+        import warnings
+
+        from keras_accel.adapter.feeder import user_stacklevel
+
+        warnings.warn(
+            "keras_accel: jit_compile=True does not run under TensorFlow's MirroredStrategy "
+            "over several CPU devices (TensorFlow places every replica's XLA program on the "
+            "first device); the steps run without XLA, with the same results. On JAX every "
+            "step is compiled with XLA.",
+            stacklevel=user_stacklevel(),
+        )
+    # `jit_compile` is Keras's public property (its setter checks support): set and put back.
+    model.jit_compile = False
+    patches.add(lambda: setattr(model, "jit_compile", True))
