@@ -199,8 +199,12 @@ def array_pipeline(
         load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
     )
     options = tf.data.Options()
-    # Batches come from in-memory rows, not files: shard by data across workers.
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    # No auto-shard policy here: under MirroredStrategy and MultiWorkerMirroredStrategy the
+    # runtime feeds each process its rows of every global batch itself (`distribute`, whose
+    # per-replica data sets say OFF); a DATA set here, overridden there, made tf.data warn
+    # "Changing the value of option auto_shard_policy" at every call. Where TensorFlow
+    # distributes it over several hosts (a TPUStrategy), tf.data's default shards it as
+    # DATA did, after finding no files.
     # As Keras's own array pipeline: tf.data's default graph rewrites, run at every
     # iterator (every epoch), serialize the whole pipeline, arrays included (measured at
     # 352 MiB: 0.7 s an iterator and a second copy at the peak, against 0.1 s without).
@@ -347,6 +351,35 @@ def _graph_batch_size(dataset) -> int | None:
     return size if size > 0 else None
 
 
+# The ops tf.data's FILE auto-sharding shards by their file names (its `kReaderDatasetOps`,
+# tensorflow/core/grappler/optimizers/data/auto_shard.cc), matched by prefix for their V2s.
+_FILE_READERS = (
+    "ArrayRecordDataset",
+    "FixedLengthRecordDataset",
+    "RecordIODataset",
+    "SSTableDataset",
+    "TextLineDataset",
+    "TFRecordDataset",
+)
+
+
+def reads_files(dataset: tf.data.Dataset) -> bool:
+    """Whether the pipeline's graph holds a file reader (TFRecord, text lines, ...), also
+    inside a function (`list_files().interleave(tf.data.TFRecordDataset)`): what FILE
+    sharding needs. True where the graph cannot be read (FILE sharding then decides)."""
+    try:
+        serialized = tf.raw_ops.DatasetToGraphV2(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            external_state_policy=1,  # Ignore: a stateful op is no reason to warn here.
+            strip_device_assignment=True,
+        )
+        graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
+    except Exception:  # A pipeline TensorFlow cannot serialize: let FILE sharding say.
+        return True
+    nodes = [*graph.node, *(node for f in graph.library.function for node in f.node_def)]
+    return any(node.op.startswith(_FILE_READERS) for node in nodes)
+
+
 def _element(element: tuple):
     # tf.data passes a tuple element's parts as separate arguments, anything else as one.
     return standardize_element(element[0] if len(element) == 1 else element)
@@ -447,6 +480,10 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
         return None  # The user shards it, or wants it read whole: as it says.
     size = _graph_batch_size(batches.source)
     if size is None or size % num_processes or plan.static_rows % num_processes:
+        return None
+    if not reads_files(batches.source):
+        # Asking tf.data's FILE sharding would answer the same, after logging an error
+        # with the pipeline's graph in every process ("tf_auto_shard failed").
         return None
     try:
         auto_shard_dataset = keras_internals.tf_auto_shard_dataset()

@@ -188,7 +188,9 @@ def progress(monkeypatch):
     return shown
 
 
-def test_fused_evaluate_equals_unfused_and_predict_returns_every_row(capsys, monkeypatch, progress):
+def test_fused_evaluate_equals_unfused_and_predict_returns_every_row(
+    capsys, caplog, monkeypatch, progress
+):
     x, y = _data()
     results = {}
     for spe in (1, "auto"):
@@ -210,6 +212,8 @@ def test_fused_evaluate_equals_unfused_and_predict_returns_every_row(capsys, mon
     acc.evaluate(model, x[:300], y[:300], batch_size=BATCH, verbose=1)
     notes = [line for line in capsys.readouterr().out.splitlines() if "keras_accel:" in line]
     assert len(notes) == 1 and "steps_per_execution=32" in notes[0], notes
+    # The per-replica data sets' auto-shard policy is set once, not changed (TensorFlow).
+    assert "Changing the value of option" not in caplog.text
     # In a process other than the chief, nothing is printed (`keras-accel launch`).
     monkeypatch.setattr(process, "is_chief", lambda: False)
     acc.evaluate(model, x, y, batch_size=BATCH, verbose=1)
