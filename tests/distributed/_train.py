@@ -18,6 +18,10 @@ see which process wrote what.
 --loop custom the same training through `Accelerator.loop` (a custom loop), no callbacks.
 --stall-at S  every process writes WORKDIR/at-<S>-<process> at step S and then sleeps 0.3 s
               per step (a window for a test to send SIGTERM).
+--then-defaults  after the results are written, one more epoch with BackupAndRestore at its
+              defaults (deleting its backups at the end, which every process takes part in)
+              into WORKDIR/backup-defaults; each process then writes
+              WORKDIR/defaults-<process>.done.
 """
 
 import argparse
@@ -33,6 +37,7 @@ parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--die", default=None)
 parser.add_argument("--stall-at", type=int, default=None)
 parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
+parser.add_argument("--then-defaults", action="store_true")
 args = parser.parse_args()
 
 import keras_accel  # noqa: E402
@@ -125,4 +130,15 @@ np.savez(
     predictions=predictions,
     **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
 )
+if args.then_defaults:
+    acc.fit(
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[BackupAndRestore(os.path.join(args.workdir, "backup-defaults"))],
+    )
+    open(os.path.join(args.workdir, f"defaults-{me}.done"), "w").close()
 print(f"process {me} of {acc.num_processes}: done", flush=True)

@@ -109,9 +109,10 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One uninterrupted 2-process run: its directory."""
+    """One uninterrupted 2-process run, then one more epoch with BackupAndRestore at its
+    defaults (`--then-defaults`): its directory."""
     workdir = tmp_path_factory.mktemp("two-processes")
-    launch(workdir)
+    launch(workdir, "--then-defaults")
     return workdir
 
 
@@ -124,6 +125,16 @@ def test_processes_agree_and_match_one_process(run, reference):
     np.testing.assert_allclose(first["loss"], reference["loss"], rtol=0, atol=TOLERANCE)
     np.testing.assert_allclose(first["evaluation"], reference["evaluation"], atol=TOLERANCE)
     np.testing.assert_allclose(first["predictions"], reference["predictions"], atol=10 * TOLERANCE)
+
+
+def test_backup_and_restore_at_its_defaults_ends_on_every_process(run):
+    """Deleting the backups at the end of fit is collective on Orbax (every process meets
+    the others there): the chief alone reaching it hung the run, or failed with
+    "sync_global_devices name mismatch". Every process ends its fit, and nothing is left."""
+    assert sorted(p.name for p in run.glob("defaults-*.done")) == [
+        f"defaults-{i}.done" for i in range(PROCESSES)
+    ]
+    assert not (run / "backup-defaults").exists()
 
 
 def test_only_the_chief_writes(run):

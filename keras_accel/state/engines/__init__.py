@@ -21,6 +21,9 @@ An engine opened on a directory answers:
 - `has(step)`, `read_meta(step)`, `restore(step, variables, manifest)` (assigns the saved
   values into the given variables; `manifest` is what the checkpoint holds),
   `delete(step)`, `delete_all()`, `close()`;
+- every process of a run calls `save`, `restore`, `delete`, `delete_all` and `close`, in
+  the same order: an engine's own multi-process protocol may meet the other processes
+  there (Orbax's does), and the engine decides which process writes or deletes what;
 - `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);
 - `interrupted`: the numbers of saves found uncommitted when it opened (a process killed
   while writing them), whose leftovers it removes; never listed by `steps()`;

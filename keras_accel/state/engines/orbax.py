@@ -147,6 +147,8 @@ class Engine:
             self.manager.delete(step)
 
     def delete_all(self) -> None:
+        """Every process calls this: Orbax's deletion meets the other processes (its
+        primary host deletes), so a process that skipped it would leave the others waiting."""
         self.wait()
         self.manager.reload()  # A save that finished while waiting is listed only now.
         for step in list(self.manager.all_steps()):

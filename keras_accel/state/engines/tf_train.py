@@ -159,7 +159,11 @@ class Engine:
             _remove(path)
 
     def delete_all(self) -> None:
+        """Every process calls this; the chief deletes (the others' scratch copies go when
+        the engine closes)."""
         self.wait()
+        if self._scratch is not None:
+            return
         # The checkpoints, and the `ckpt-N_temp` directory of a save that a kill interrupted.
         for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*")):
             _remove(path)
