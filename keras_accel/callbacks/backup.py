@@ -120,7 +120,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     - **one run per directory**: a lock file makes a second run pointed at the same
       directory fail with a clear error while the first is alive.
     - **chief-coordinated**: every process hands its state to the engine (which writes each
-      process's share), only the chief locks and deletes.
+      process's share) and takes part in deleting the backups at the end; only the chief
+      locks.
+    - **a notebook's day**: a fit stopped by Ctrl-C or an error lets go of the directory
+      (at once under `Accelerator.fit`; under `model.fit` when the next fit on it starts in
+      this process), and a model built again in the same session, whose layers Keras names
+      `dense_2` where the backup has `dense`, restores: paths that differ only in Keras's
+      automatic numbering pair up in order.
     - **Keras's backups**: a `backup_dir` written by `keras.callbacks.BackupAndRestore`
       (`latest.weights.h5`, `training_metadata.json`, their `.bkp` copies) is resumed from,
       with a warning: its weights, optimizer state and epoch, from the start of that epoch
