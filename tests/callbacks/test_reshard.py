@@ -129,3 +129,36 @@ def test_a_backup_of_two_processes_restores_onto_one(tmp_path, backend):
     for i, strategy in enumerate(("fsdp", "data_parallel")):
         restored, _ = _run(tmp_path, 8, strategy, epochs=2, name=f"one{i}")
         _assert_equal(restored, saved)
+
+
+def test_fsdp_to_data_parallel_in_one_session(tmp_path, backend, num_devices):
+    """A notebook's reshard: fsdp, then the model built again in the same Python session
+    under data_parallel (Keras names its optimizer `adam_1` there, where the backup says
+    `adam`), resumed from the backup bit for bit; no lock of the first fit in the way."""
+    if backend != "jax" or num_devices < 2:
+        pytest.skip("fsdp is JAX's, over several devices")
+    from keras_accel import Accelerator
+    from keras_accel.callbacks import BackupAndRestore
+
+    x, y = data()
+    directory = str(tmp_path / "backup")
+    fsdp = Accelerator(strategy="fsdp", seed=0)
+    with fsdp.scope():
+        first = build()
+    backup = BackupAndRestore(directory, delete_checkpoint=False)
+    fsdp.fit(first, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    saved = state(first)
+    parallel = Accelerator(strategy="data_parallel", seed=0)
+    with parallel.scope():
+        again = build()
+    assert again.optimizer.name != first.optimizer.name  # adam_1: Keras numbered it on.
+    backup = BackupAndRestore(directory, delete_checkpoint=False)
+    # Two epochs asked, two in the backup: it restores and trains nothing more.
+    parallel.fit(again, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    restored = {
+        v.path.replace("/", "|"): np.asarray(v)
+        for v in [*again.weights, *again.optimizer.variables]
+    }
+    assert len(restored) == len(saved)
+    for (_, want), (_, got) in zip(saved.items(), restored.items(), strict=True):
+        np.testing.assert_array_equal(got, want)
