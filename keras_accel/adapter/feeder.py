@@ -53,6 +53,10 @@ class Feeder:
                     "(x, y, sample_weight) batches from it instead, or pass a tf.data."
                     f"Dataset or a keras.utils.PyDataset. Received: class_weight={class_weight}"
                 )
+            if sources.is_tf_dataset(x):  # Keras's words, and whether it is batched.
+                from keras_accel.data import tfdata
+
+                tfdata.check_arguments(x, y, batch_size, sample_weight)
             extra = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
             given = [name for name, value in extra.items() if value is not None]
             if given:
