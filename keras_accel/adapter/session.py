@@ -35,6 +35,12 @@ from keras_accel.utils.optimizers import inner_optimizer
 _ACTIVE: dict[int, Session] = {}
 
 
+def in_call() -> bool:
+    """Whether an Accelerator call (`fit`, `evaluate`, `predict`) is in progress in this
+    process."""
+    return bool(_ACTIVE)
+
+
 class FunctionCache:
     """The step functions Keras compiled during our calls, per model, kept out of the model."""
 

@@ -3,6 +3,8 @@ builders, `keras_accel.adapter.strategies.STRATEGIES`)."""
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from keras_accel.adapter.backends.tensorflow import cluster
@@ -30,6 +32,46 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices, key_base: int, cross_device_ops=None):
         self._collective_key_base = key_base  # Read by MirroredExtended's __init__.
         super().__init__(devices, cross_device_ops=cross_device_ops)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        # What a plain `model.fit` (`evaluate`, `predict`) calls on a model built in
+        # `acc.scope()`: Keras's TF trainer distributes the user's data with it.
+        _warn_if_uneven(dataset, self.num_replicas_in_sync)
+        return super().experimental_distribute_dataset(dataset, options)
+
+
+def _warn_if_uneven(dataset, replicas: int) -> None:
+    """Warn, before the first step, that a plain `model.fit` on a model built in the
+    Accelerator's scope is raw `MirroredStrategy` training, where a batch that does not
+    split over the replicas leaves some with fewer rows than others, or none:
+    BatchNormalization's statistics over no rows are NaN, and the weights turn NaN while
+    the reported loss may stay finite. The Accelerator's own calls feed batches of a
+    static, padded size (no warning), as does `acc.dataset(...)`, whose batches a plain
+    `model.fit` takes as they are."""
+    from keras_accel.adapter import session
+
+    if session.in_call():
+        return
+    leaves = [s for s in tf.nest.flatten(dataset.element_spec) if hasattr(s, "shape")]
+    sizes = {s.shape[0] if s.shape.rank else None for s in leaves}
+    if len(sizes) == 1 and None not in sizes and next(iter(sizes)) % replicas == 0:
+        return
+    shown = (
+        "of varying size (a last, partial batch among them)"
+        if None in sizes
+        else "of " + ", ".join(str(size) for size in sorted(sizes)) + " rows"
+    )
+    warnings.warn(
+        f"A plain Keras call (model.fit, evaluate or predict) on a model built in "
+        f"Accelerator.scope() runs raw tf.distribute.MirroredStrategy over {replicas} "
+        f"replicas, with batches {shown}. A batch that does not split over the replicas "
+        "gives some of them fewer "
+        "rows or none: BatchNormalization's statistics over no rows are NaN, and the "
+        "weights can turn NaN while the reported loss stays finite. Use acc.fit(model, ...) "
+        "(acc.evaluate, acc.predict), which pads every batch exactly, or feed "
+        "acc.dataset(...), whose batches split evenly.",
+        stacklevel=3,
+    )
 
 
 def cross_device_ops(devices: tuple):
