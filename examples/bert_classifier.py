@@ -16,6 +16,9 @@ logits averaged over the global batch, a global batch of 16 split over the repli
 and accuracy per epoch; the custom loop resets its metrics every epoch and backs up its
 state every epoch (the seed's CheckpointManager(max_to_keep=5)); `fit` saves the weights to
 `.weights.h5` at the end, as the seed does.
+
+Needs the `nlp` extra (keras-hub, with tensorflow-text), beyond README's first set-up
+command: pip install -c constraints.txt -e ".[jax,tensorflow,nlp]" (or its second, `all`).
 """
 
 from __future__ import annotations

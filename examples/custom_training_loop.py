@@ -9,6 +9,9 @@ across replicas. Uses CIFAR-10 when it is found locally, else synthetic data of 
 and says which; the row count is not a multiple of the batch on purpose (the last batch is
 padded, not a crash, not a recompilation). The seed's wish is in it too: the learning rate
 divided by 10 at half of training, set every step.
+
+Needs the backend's extra only (README's first set-up command installs both: `jax`,
+`tensorflow`).
 """
 
 from __future__ import annotations

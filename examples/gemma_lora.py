@@ -12,6 +12,9 @@ a SentencePiece tokenizer trained here on the text set made here (sentences abou
 animals, so the loss can fall within a few epochs). `--preset DIR` loads real weights and
 their tokenizer from a local keras-hub preset directory; when none is there it says where it
 looked. JAX only: Keras 3 has no tf.distribute equivalent of fsdp.
+
+Needs the `jax` and `nlp` extras (keras-hub, with SentencePiece), beyond README's first
+set-up command: pip install -c constraints.txt -e ".[jax,nlp]" (or its second, `all`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,13 @@ def main() -> int:
         raise SystemExit(
             f"gemma_lora.py trains under strategy='fsdp', which needs KERAS_BACKEND=jax. "
             f"Received: KERAS_BACKEND={keras.backend.backend()}."
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("keras_hub") is None:
+        raise SystemExit(
+            "gemma_lora.py needs keras-hub, keras-accel's `nlp` extra: pip install -c "
+            'constraints.txt -e ".[jax,nlp]" from the repository root.'
         )
     import keras_hub
 

@@ -7,6 +7,9 @@ Uses CIFAR-10 when it is found locally (Keras's dataset cache, or KERAS_ACCEL_CI
 otherwise synthetic data of the same shape, and says which. The sample count is not a
 multiple of the batch size on purpose: the last, partial batch is padded, not a crash and
 not a recompilation.
+
+Needs the backend's extra only (README's first set-up command installs both: `jax`,
+`tensorflow`).
 """
 
 from __future__ import annotations

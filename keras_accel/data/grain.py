@@ -27,6 +27,23 @@ from keras_accel.data.batching import StreamPlan, element, padding_like, static_
 from keras_accel.utils import keras_internals
 
 
+def import_grain():
+    """The `grain` module, or an error that says how to install it: Grain is the optional
+    `grain` extra of keras-accel (in `all`, not in `jax` or `tensorflow`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("grain") is None:
+        raise ModuleNotFoundError(
+            "Grain data sets need the `grain` package, the optional `grain` extra of "
+            'keras-accel: pip install "keras-accel[grain]" (from a checkout: pip install '
+            '-c constraints.txt -e ".[grain]"; the "all" extra has it too).',
+            name="grain",
+        )
+    import grain  # Installed but broken (e.g. too old for this Python): its own error.
+
+    return grain
+
+
 class GrainPasses(PaddedBatchesAdapter):
     """A Keras data adapter over a re-iterable `IterableBatches`: each `get_*_iterator()` is
     one new pass of the data set, its batches as `keras_accel.data.pydataset.stream` serves
@@ -190,8 +207,7 @@ def process_share(
     def row(k):
         return parent[(k // block) * size + start + k % block]
 
-    import grain
-
+    grain = import_grain()
     local = grain.MapDataset.range(rows).map(row)
     local = local.batch(block, drop_remainder=drop, batch_fn=batching.batch_fn)
     if batching.read_options is not None:

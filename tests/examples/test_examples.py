@@ -129,3 +129,21 @@ def test_gemma_lora_example_runs_on_one_device():
     assert "fsdp over 1 device(s), mesh (1, 1)" in out, out
     assert "token_embedding (28, 64) whole on 1 device" in out, out
     assert "epoch 1: loss " in out and "generate: 'the owl' -> 'the owl" in out, out
+
+
+def test_gemma_lora_without_keras_hub_says_which_extra():
+    from tests.conftest import BACKEND
+
+    if BACKEND != "jax":
+        pytest.skip("gemma_lora.py is JAX-only; one run of this check is enough")
+    # find_spec answers None for a module set to None in sys.modules: keras-hub "missing".
+    run = (
+        "import runpy, sys; sys.modules['keras_hub'] = None; sys.argv = ['gemma_lora.py']; "
+        "runpy.run_path('examples/gemma_lora.py', run_name='__main__')"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(
+        [sys.executable, "-c", run], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0 and "`nlp` extra" in done.stderr, done.stderr[-2000:]
+    assert '-e ".[jax,nlp]"' in done.stderr, done.stderr[-2000:]
