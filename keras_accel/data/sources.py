@@ -34,7 +34,8 @@ from keras_accel.data.batching import (
 )
 
 SUPPORTED_INPUTS = (
-    "numpy arrays (or tuples, lists, dicts of them; numbers or strings), "
+    "numpy arrays (or tuples, lists, dicts of them; numbers or strings; sparse ones, "
+    "densified), "
     "keras.utils.PyDataset, tf.data.Dataset, a Python generator, a Grain data set (JAX)"
 )
 
@@ -76,6 +77,19 @@ def to_numpy(structure: Any, name: str) -> Any:
         return tuple(to_numpy(item, name) for item in structure)
     if isinstance(structure, np.ndarray):
         return structure
+    kind = sparse_kind(structure)
+    if kind == "tf.RaggedTensor":
+        raise TypeError(
+            f"`{name}` is a tf.RaggedTensor, which keras_accel does not take: every batch is "
+            "padded to one static shape, and padding a ragged row would change what the "
+            "model computes. Pad the rows yourself with a mask "
+            "(`ragged.to_tensor()` and a `keras.layers.Masking` or an explicit mask input), "
+            f"or train on plain Keras. Supported inputs: {SUPPORTED_INPUTS}."
+        )
+    if kind is not None:
+        # Densified here, as every batch is padded to a static shape: the values, and so
+        # the results, are those of the sparse input (docs/accelerator.md, "Inputs").
+        return _dense(structure, kind)
     if hasattr(structure, "numpy") and callable(structure.numpy):  # tf.Tensor, strings too
         return np.asarray(structure.numpy())
     if hasattr(structure, "__array__") or isinstance(structure, (float, int, str, bytes)):
@@ -84,6 +98,38 @@ def to_numpy(structure: Any, name: str) -> Any:
         f"`{name}` must be numpy arrays or array-likes (or a tuple/list/dict of them). "
         f"Received: {type(structure).__name__}. Supported inputs: {SUPPORTED_INPUTS}."
     )
+
+
+def sparse_kind(value: Any) -> str | None:
+    """What sparse or ragged tensor `value` is ("scipy.sparse", "tf.SparseTensor",
+    "jax BCOO", "tf.RaggedTensor"), found by module name so that nothing is imported here;
+    None for anything else."""
+    cls = type(value)
+    module, name = cls.__module__ or "", cls.__name__
+    if module.startswith("scipy.sparse") and hasattr(value, "toarray"):
+        return "scipy.sparse"
+    if module.startswith("tensorflow") and name in ("SparseTensor", "SparseTensorValue"):
+        return "tf.SparseTensor"
+    if module.startswith("tensorflow") and name == "RaggedTensor":
+        return "tf.RaggedTensor"
+    if module.startswith("jax.experimental.sparse") and hasattr(value, "todense"):
+        return "jax BCOO"
+    return None
+
+
+def _dense(value: Any, kind: str) -> np.ndarray:
+    # Copies: a numpy view of a TensorFlow or JAX buffer made here outlives the tensor
+    # (a generator's batches are read in tf.data's thread on TensorFlow: measured, a view
+    # there read freed memory).
+    if kind == "scipy.sparse":
+        return np.array(value.toarray())
+    if kind == "tf.SparseTensor":
+        # Numpy only: no TensorFlow op runs in the thread that reads a generator.
+        indices = np.asarray(value.indices)
+        dense = np.zeros(tuple(np.asarray(value.dense_shape)), np.asarray(value.values).dtype)
+        dense[tuple(indices.T)] = np.asarray(value.values)
+        return dense
+    return np.array(value.todense())
 
 
 def _is_leaf_array(item: Any) -> bool:
