@@ -369,13 +369,12 @@ def _run_child(script, target, mode, args, env) -> tuple[dict[str, dict], float,
 def _crash_message(child) -> str:
     """Why a pytest process ended during a test: the fatal line of its output if captured
     (an abort's check failure, a hang's timeout), else its exit status."""
-    lines = ((child.stdout or "") + (child.stderr or "")).splitlines()
-    fatal = [
-        line.strip()
-        for line in lines
-        if re.search(r"Fatal Python error|Check failed|terminate called|Timeout \(", line)
-    ]
-    why = f": {fatal[0][:200]}" if fatal else ""
+    text = (child.stdout or "") + "\n" + (child.stderr or "")
+    fatal = re.search(
+        r"(Fatal Python error|Check failed|terminate called|Timeout \().*", text, re.S
+    )
+    # Its first lines, which say what (an abort, a check of XLA's, a hang's timeout).
+    why = ": " + " ".join(fatal.group(0)[:400].split())[:200] if fatal else ""
     return f"the pytest process ended during this test (exit {child.returncode}){why}"
 
 
@@ -544,8 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         times = []
         for mode in ("plain", "accelerator"):
             if mode == "plain" and baseline:
-                runs["plain"].update({k: v for k, v in baseline.items() if _in(k, target)})
-                continue
+                continue  # Taken below, for the tests this run selected.
             if mode == "accelerator" and args.plain:
                 continue
             results, seconds, note, made = _run_child(script, full, mode, args, env)
@@ -555,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode].update({_node_key(k): v for k, v in results.items()})
             times.append(f"{mode} {seconds:.0f}s")
             print(f"  {target.partition('::')[0]}: {mode} run done in {seconds:.0f}s", flush=True)
+        if baseline:
+            selected = [k for k in runs["accelerator"] if _in(k, target)]
+            runs["plain"].update({k: baseline[k] for k in selected if k in baseline})
         keys = sorted(k for run in runs.values() for k in run if _in(k, target))
         keys = list(dict.fromkeys(keys))
         plain, accel = runs["plain"], runs["accelerator"]
