@@ -235,14 +235,26 @@ class _Plugin:
 
 
 def _first_line(report) -> str:
-    """The first line of the exception a test failed with ("ValueError: ...")."""
+    """The first line of the exception a test failed with ("ValueError: ..."). Where that
+    line only announces the rest ("AssertionError:" before assert_allclose's report,
+    TensorFlow's "Graph execution error:" or "in user code:"), the line that says what went
+    wrong is added: the last exception line inside, else the first line after it (the last,
+    after TensorFlow's stack, for a graph execution error)."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    message = getattr(crash, "message", None)
-    if message:
-        return message.strip().splitlines()[0][:1000]
-    lines = [line.strip() for line in report.longreprtext.splitlines() if line.strip()]
-    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
-    return (errors[0] if errors else lines[-1] if lines else "")[:1000]
+    message = getattr(crash, "message", None) or ""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        texts = [line.strip() for line in report.longreprtext.splitlines() if line.strip()]
+        errors = [line[1:].strip() for line in texts if line.startswith("E ")]
+        return (errors[0] if errors else texts[-1] if texts else "")[:1000]
+    first, rest = lines[0], [x for x in lines[1:] if not x.startswith(("File ", "[[", "•"))]
+    if first.endswith(":") and rest:
+        errors = [x for x in rest if re.match(r"[\w.]+(Error|Exception)\b[^:]*:", x)]
+        if errors:
+            first = f"{first} {errors[-1]}"
+        else:
+            first = f"{first} {rest[-1] if 'Graph execution error' in first else rest[0]}"
+    return first[:1000]
 
 
 def _skip_reason(report) -> str:
