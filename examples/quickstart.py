@@ -8,6 +8,12 @@ otherwise synthetic data of the same shape, and says which. The sample count is 
 multiple of the batch size on purpose: the last, partial batch is padded, not a crash and
 not a recompilation.
 
+What to expect: on JAX a few seconds per epoch on a laptop CPU. On TensorFlow with several
+CPU devices (`--virtual-devices 8`), TensorFlow first builds one program per replica, one
+after the other on the same few cores: minutes before the first epoch ends (2.5 on a busy
+2-core machine), then seconds per epoch. So there the default is 2000 training rows, not
+10000 (`--samples`; 10000 take about 5 minutes there), and the script says what it waits for.
+
 Needs the backend's extra only (README's first set-up command installs both: `jax`,
 `tensorflow`).
 """
@@ -22,9 +28,21 @@ import warnings
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+SAMPLES = 10000
+# On several TensorFlow CPU replicas each step runs every replica's program in turn on the
+# same cores: 2000 rows keep an epoch to seconds there (the first one's program builds aside).
+FEW_SAMPLES = 2000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=10000, help="training rows to use")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help=f"training rows to use (default {SAMPLES}; {FEW_SAMPLES} on several TensorFlow "
+        "CPU replicas)",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--strategy", default="auto")
@@ -46,18 +64,36 @@ def main() -> None:
     print(f"backend:  {acc.backend}")
     print(f"devices:  {', '.join(acc.devices)}")
     print(f"strategy: {acc.strategy_name} ({acc.num_replicas} replicas)")
+    tf_cpu_replicas = (
+        acc.backend == "tensorflow"
+        and acc.num_replicas > 1
+        and all(d.startswith("cpu") for d in acc.devices)
+    )
+    samples = args.samples or (FEW_SAMPLES if tf_cpu_replicas else SAMPLES)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # The line below prints where the data came from.
-        cifar = load_cifar10(num_samples=args.samples, num_test_samples=2000)
+        cifar = load_cifar10(num_samples=samples, num_test_samples=2000)
     (x_train, y_train), (x_test, y_test) = cifar
     print(f"data:     {cifar.source}")
     print(f"          train {x_train.shape}, test {x_test.shape}")
+    if tf_cpu_replicas and args.samples is None:
+        print(f"          ({FEW_SAMPLES} rows: the default on TensorFlow CPU replicas; --samples)")
 
     with acc.scope():
         model = compile_seed(mlp(input_shape=x_train.shape[1:], num_classes=10))
     print(f"model:    the seed MLP, {model.count_params():,} parameters")
 
+    steps = -(-len(x_train) // args.batch_size)
+    print(f"training: {args.epochs} epoch(s) of {steps} steps of {args.batch_size} rows", end="")
+    if tf_cpu_replicas:
+        # Nothing prints while the programs are built: say what the wait is.
+        print(
+            f"; TensorFlow first builds a program for each of the {acc.num_replicas} "
+            "replicas, one after another on these cores: minutes before epoch 1 ends",
+            end="",
+        )
+    print(flush=True)
     start = time.perf_counter()
     history = acc.fit(
         model,

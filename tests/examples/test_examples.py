@@ -39,6 +39,20 @@ def _run(script, *args, timeout=420):
     return stdout
 
 
+def test_quickstart_example_says_what_it_waits_for():
+    # README's first command runs it. Small: 2 replicas, 600 rows in batches of 128 (the
+    # last padded), one epoch; on TensorFlow it says, before training, what the wait is.
+    from tests.conftest import BACKEND
+
+    out = _run(
+        "quickstart.py", "--virtual-devices=2", "--samples=600", "--epochs=1", "--batch-size=128"
+    )
+    assert "(2 replicas)" in out and "training: 1 epoch(s) of 5 steps of 128 rows" in out, out
+    assert ("builds a program for each of the 2 replicas" in out) == (BACKEND == "tensorflow")
+    assert "the default on TensorFlow" not in out  # Only where the default rows are taken.
+    assert "2000 predictions" in out and "recompiles after warm-up: 0" in out, out
+
+
 def test_custom_training_loop_example(tmp_path):
     out = _run(
         "custom_training_loop.py",
