@@ -385,8 +385,11 @@ def _crash_message(child) -> str:
     fatal = re.search(
         r"(Fatal Python error|Check failed|terminate called|Timeout \().*", text, re.S
     )
-    # Its first lines, which say what (an abort, a check of XLA's, a hang's timeout).
-    why = ": " + " ".join(fatal.group(0)[:400].split())[:200] if fatal else ""
+    # Its first line, which says what (an abort, a check of XLA's, a hang's timeout), and
+    # the next where the first only announces it; not the threads' stacks after them.
+    lines = [line.strip() for line in fatal.group(0).splitlines() if line.strip()] if fatal else []
+    said = lines[:2] if lines and lines[0].endswith(":") else lines[:1]
+    why = ": " + " ".join(said)[:200] if said else ""
     return f"the pytest process ended during this test (exit {child.returncode}){why}"
 
 
@@ -539,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Keras tests from {folder}, KERAS_BACKEND={backend}, {args.devices} virtual CPU "
         f"devices, {'plain Keras only' if args.plain else 'plain Keras and the Accelerator'}"
+        + (f" (plain Keras's results from {args.baseline_json})" if baseline else "")
         + (f", -k {args.k!r}" if args.k else ""),
         flush=True,
     )
