@@ -288,6 +288,12 @@ REQUIRED_TENSORFLOW: list[Internal] = [
         _public("keras.Model"),
     ),
     Internal(
+        "keras.Model",
+        "_aggregate_additional_loss",
+        "the regularization losses a class's own compute_loss sees on TF",
+        _public("keras.Model"),
+    ),
+    Internal(
         "the module of keras.losses.Loss.__call__'s get_keras_mask",
         "get_keras_mask",
         "a loss's mask, kept where its values are rescaled",

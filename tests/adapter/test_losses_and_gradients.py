@@ -164,7 +164,7 @@ class UpdatesAMetricInComputeLoss(keras.Model):
     def __init__(self):
         super().__init__()
         self.custom_metric = keras.metrics.Mean(name="custom")
-        self.dense = keras.layers.Dense(2, kernel_initializer="ones")
+        self.dense = keras.layers.Dense(2, kernel_initializer="ones", activity_regularizer="l2")
 
     def call(self, x):
         return self.dense(x)

@@ -126,24 +126,30 @@ def _install_override_reporting(patches: Patches, model, compiled) -> None:
     global batch's loss there, as on one device, and Keras's step still gets the
     replica's share back.
 
-    Keras's `compute_loss` gets its value from the compiled loss (`CompileLoss.call`), which
-    is raised to the global value (the share's gradient kept, `global_value`) inside Keras's
-    step; whatever the class's `compute_loss` returns then has the raise taken off again,
-    so that Keras reports and differentiates what it would have without us. A `compute_loss`
-    that returns its own loss without calling Keras's keeps Keras's convention (above)."""
+    Keras's `compute_loss` gets its value from the compiled loss (`CompileLoss.call`) and
+    the added losses (`_aggregate_additional_loss`), each raised to the global value (the
+    share's gradient kept, `global_value`) inside Keras's step; whatever the class's
+    `compute_loss` returns then has the raise taken off again, so that Keras reports and
+    differentiates what it would have without us. A `compute_loss` that returns its own
+    loss without calling Keras's keeps Keras's convention (above)."""
     keras_step_loss = keras_internals.require(
         model, "_compute_loss", "the loss a class's own compute_loss sees on TF"
     )
-    original_call = compiled.call
+    aggregate = keras_internals.require(
+        model, "_aggregate_additional_loss", "the regularization losses compute_loss sees on TF"
+    )
 
-    def call(*args, **kwargs):
-        share = original_call(*args, **kwargs)
-        raised = _RAISED.get()
-        if raised is None or share is None or replicas() == 1:
-            return share
-        value = global_value(share)
-        raised.append(value - share)  # stop_gradient((N - 1) * share): no gradient.
-        return value
+    def raising(original):
+        def raised_share(*args, **kwargs):
+            share = original(*args, **kwargs)
+            raised = _RAISED.get()
+            if raised is None or share is None or replicas() == 1:
+                return share
+            value = global_value(share)
+            raised.append(value - share)  # stop_gradient((N - 1) * share): no gradient.
+            return value
+
+        return raised_share
 
     def in_keras_step(*args, **kwargs):
         raised = []
@@ -156,7 +162,10 @@ def _install_override_reporting(patches: Patches, model, compiled) -> None:
             return loss
         return loss - ops.cast(sum(raised), loss.dtype)
 
-    patches.set(compiled, "call", call)
+    # Keras divides both the compiled loss and each added loss (regularizers, `add_loss`)
+    # by the replica count on TF: both are raised.
+    patches.set(compiled, "call", raising(compiled.call))
+    patches.set(model, "_aggregate_additional_loss", raising(aggregate))
     patches.set(model, "_compute_loss", in_keras_step)
 
 
