@@ -132,12 +132,6 @@ def _install_override_reporting(patches: Patches, model, compiled) -> None:
     `compute_loss` returns then has the raise taken off again, so that Keras reports and
     differentiates what it would have without us. A `compute_loss` that returns its own
     loss without calling Keras's keeps Keras's convention (above)."""
-    keras_step_loss = keras_internals.require(
-        model, "_compute_loss", "the loss a class's own compute_loss sees on TF"
-    )
-    aggregate = keras_internals.require(
-        model, "_aggregate_additional_loss", "the regularization losses compute_loss sees on TF"
-    )
 
     def raising(original):
         def raised_share(*args, **kwargs):
@@ -151,22 +145,24 @@ def _install_override_reporting(patches: Patches, model, compiled) -> None:
 
         return raised_share
 
-    def in_keras_step(*args, **kwargs):
-        raised = []
-        token = _RAISED.set(raised)
-        try:
-            loss = keras_step_loss(*args, **kwargs)
-        finally:
-            _RAISED.reset(token)
-        if loss is None or not raised:
-            return loss
-        return loss - ops.cast(sum(raised), loss.dtype)
+    def lowering(keras_step_loss):
+        def in_keras_step(*args, **kwargs):
+            raised = []
+            token = _RAISED.set(raised)
+            try:
+                loss = keras_step_loss(*args, **kwargs)
+            finally:
+                _RAISED.reset(token)
+            if loss is None or not raised:
+                return loss
+            return loss - ops.cast(sum(raised), loss.dtype)
+
+        return in_keras_step
 
     # Keras divides both the compiled loss and each added loss (regularizers, `add_loss`)
     # by the replica count on TF: both are raised.
     patches.set(compiled, "call", raising(compiled.call))
-    patches.set(model, "_aggregate_additional_loss", raising(aggregate))
-    patches.set(model, "_compute_loss", in_keras_step)
+    keras_internals.replace_step_and_added_losses(patches, model, lowering, raising)
 
 
 def _per_row(loss, report: bool):
