@@ -118,16 +118,17 @@ def sparse_kind(value: Any) -> str | None:
 
 
 def _dense(value: Any, kind: str) -> np.ndarray:
-    # Copies: a numpy view of a TensorFlow or JAX buffer made here outlives the tensor
-    # (a generator's batches are read in tf.data's thread on TensorFlow: measured, a view
-    # there read freed memory).
+    # Copies, of a SparseTensor's parts too: a numpy view of a TensorFlow or JAX buffer
+    # made here outlives the tensor (a generator's batches are read in tf.data's thread
+    # on TensorFlow: measured, a view there read freed memory).
     if kind == "scipy.sparse":
         return np.array(value.toarray())
     if kind == "tf.SparseTensor":
         # Numpy only: no TensorFlow op runs in the thread that reads a generator.
-        indices = np.asarray(value.indices)
-        dense = np.zeros(tuple(np.asarray(value.dense_shape)), np.asarray(value.values).dtype)
-        dense[tuple(indices.T)] = np.asarray(value.values)
+        indices = np.array(value.indices)
+        values = np.array(value.values)
+        dense = np.zeros(tuple(np.array(value.dense_shape)), values.dtype)
+        dense[tuple(indices.T)] = values
         return dense
     return np.array(value.todense())
 
