@@ -85,7 +85,34 @@ _RAGGED = (
     "a tf.RaggedTensor is refused with what to do (docs/accelerator.md): every batch is "
     "padded to one static shape, and padding a ragged row would change what the model computes"
 )
+_ON_BATCH = (
+    "Keras's own train_on_batch/test_on_batch/predict_on_batch are not Accelerator calls "
+    "(docs/accelerator.md, 'Keras's *_on_batch methods'): on a model built in acc.scope() "
+    "they run raw distribution (JAX: IndivisibleError for a batch that does not split over "
+    "the devices; TensorFlow: every replica runs the whole batch)"
+)
 DOCUMENTED: dict[str, tuple[tuple[str, ...], str]] = {
+    **{
+        f"trainer_test.py::TestTrainer::test_on_batch_methods_{name}": (
+            ("jax", "tensorflow") if name == "jit" else ("jax",),
+            _ON_BATCH,
+        )
+        for name in ("eager", "graph_fn", "jit")
+    },
+    **{
+        f"trainer_test.py::TestTrainer::test_on_batch_methods_without_training_{name}": (
+            ("jax", "tensorflow") if name == "jit" else ("jax",),
+            _ON_BATCH,
+        )
+        for name in ("eager", "graph_fn", "jit")
+    },
+    "trainer_test.py::TestTrainer::test_nested_inputs": (("jax", "tensorflow"), _ON_BATCH),
+    "trainer_test.py::TestTrainer::test_retracing": (
+        ("jax", "tensorflow"),
+        "a model overriding train_step gets (x, y) batches, which cannot weight padding rows "
+        "out: batch_size=1 over 8 replicas is refused with what works (docs/accelerator.md, "
+        "'Custom steps: the data contract')",
+    ),
     "trainer_test.py::TestTrainer::test_loss_scaling_prevents_underflow": (
         ("jax", "tensorflow"),
         "its model mixes Keras's trainer class with a layer and sets `self.layers`; made a "
