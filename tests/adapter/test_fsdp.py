@@ -165,3 +165,16 @@ def test_the_custom_loop_under_fsdp_keeps_the_state_sharded_and_equals_one_devic
     assert slots and all(_spec(v) == (None, "batch") for v in slots)  # Adam's, still split.
     assert logs == pytest.approx(runs["single"][2], rel=1e-5)
     assert_weights_close(model.get_weights(), runs["single"][0].get_weights())
+
+
+def test_fsdp_on_one_device_has_no_note_about_whole_weights(backend, capsys):
+    """On one device nothing is split: no weight is "kept whole" in any sense worth a note
+    (examples/gemma_lora.py on one device said 13 were)."""
+    if backend != "jax":
+        pytest.skip("fsdp is JAX's")
+    acc = Accelerator(strategy="fsdp", devices=1, seed=0)
+    with acc.scope():
+        model = _model(keras.optimizers.SGD(0.1), False)
+    x, y = data(8)
+    acc.fit(model, x, y, batch_size=4, epochs=1, verbose=0)
+    assert "fsdp keeps" not in capsys.readouterr().out

@@ -178,6 +178,8 @@ def _note_replicated(model, distribution) -> None:
     _NOTED.add(model)
     mesh = distribution.device_mesh
     size = mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)]
+    if size == 1:  # One device along the data axis: nothing is split, nothing to say.
+        return
     whole = [
         f"{v.path} {tuple(v.shape)}"
         for v in model.weights
