@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Run the whole suite: ruff, then pytest under each Keras backend with 8 virtual CPU devices.
+# Run the whole suite: ruff, then pytest under each Keras backend: JAX and TensorFlow with 8
+# virtual CPU devices, torch with one (a torch process is one device; its multi-process tests
+# start their own processes). The torch run collects only the tests marked `torch`
+# (tests/conftest.py).
 # Usage: bash scripts/test.sh [extra pytest args]
 #
 # The backends run side by side, one pytest process each: TensorFlow's run is mostly one
@@ -7,24 +10,33 @@
 # long as the TensorFlow run alone. The other runs are niced: an 8-replica TF collective waits
 # for all 8 of its threads, and each one descheduled by a busy neighbour stalls all of them
 # (a 7 s test took 116 s beside JAX's multi-process tests un-niced), while JAX's run has time
-# to spare. Without extra pytest arguments (the whole suite) TensorFlow's run is two, side
-# by side, tests/adapter and the rest: the suite's TF run alone used about one core of the
-# two for its 40 minutes (user time 45 min in 41). Each run's output goes to its own log,
+# to spare, and so has torch's, the smallest (only the tests marked `torch`). Without extra
+# pytest arguments (the whole suite) TensorFlow's run is two, side by side, tests/adapter and
+# the rest: the suite's TF run alone used about one core of the two for its 40 minutes (user
+# time 45 min in 41). Each run's output goes to its own log,
 # printed whole when that run ends (the first to finish first). KERAS_ACCEL_TEST_SEQUENTIAL=1
 # runs them one after the other with their output as it comes; so does a single backend
-# (KERAS_ACCEL_TEST_BACKENDS=jax).
+# (KERAS_ACCEL_TEST_BACKENDS=jax; the default is "jax tensorflow torch").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=3 PYTHONDONTWRITEBYTECODE=1
 python -m ruff check . || exit 1
-read -r -a backends <<<"${KERAS_ACCEL_TEST_BACKENDS:-jax tensorflow}"
+read -r -a backends <<<"${KERAS_ACCEL_TEST_BACKENDS:-jax tensorflow torch}"
 if [ "${#backends[@]}" -eq 0 ]; then echo "!!! KERAS_ACCEL_TEST_BACKENDS names no backend"; exit 1; fi
 
-run_backend() {  # backend [pytest args]: one pytest run, 8 virtual CPU devices.
+devices_of() {  # backend: the devices its run has.
+  if [ "$1" = torch ]; then echo 1; else echo 8; fi
+}
+
+describe() {  # backend: its devices, in words.
+  if [ "$1" = torch ]; then echo "1 device, the tests marked torch"; else echo "8 virtual CPU devices"; fi
+}
+
+run_backend() {  # backend [pytest args]: one pytest run.
   local backend=$1
   shift
-  KERAS_BACKEND=$backend KERAS_ACCEL_TEST_DEVICES=8 nice -n "${NICENESS:-0}" \
-    python -m pytest -q -p no:cacheprovider "$@"
+  KERAS_BACKEND=$backend KERAS_ACCEL_TEST_DEVICES=$(devices_of "$backend") \
+    nice -n "${NICENESS:-0}" python -m pytest -q -p no:cacheprovider "$@"
 }
 
 failed() {  # backend exit-status: pytest exits 5 when nothing was collected, a failure too.
@@ -35,7 +47,7 @@ failed() {  # backend exit-status: pytest exits 5 when nothing was collected, a 
 status=0
 if [ "${#backends[@]}" -eq 1 ] || [ "${KERAS_ACCEL_TEST_SEQUENTIAL:-0}" = 1 ]; then
   for backend in "${backends[@]}"; do
-    echo "=== KERAS_BACKEND=$backend, 8 virtual CPU devices"
+    echo "=== KERAS_BACKEND=$backend, $(describe "$backend")"
     run_backend "$backend" "$@"
     rc=$?
     if failed "$backend" "$rc"; then status=1; fi
@@ -86,7 +98,7 @@ for backend in "${backends[@]}"; do
   fi
 done
 set +m
-echo "=== ${lanes[*]} side by side, 8 virtual CPU devices each (logs in $logs)"
+echo "=== ${lanes[*]} side by side (logs in $logs)"
 running=("${pids[@]}")
 while [ "${#running[@]}" -gt 0 ]; do
   pid=
@@ -97,7 +109,7 @@ while [ "${#running[@]}" -gt 0 ]; do
   remaining=()
   for other in "${running[@]}"; do [ "$other" = "$pid" ] || remaining+=("$other"); done
   running=("${remaining[@]}")
-  echo "=== KERAS_BACKEND=${backend%%-*} (${backend}), 8 virtual CPU devices: ended after $((SECONDS - started)) s"
+  echo "=== KERAS_BACKEND=${backend%%-*} (${backend}), $(describe "${backend%%-*}"): ended after $((SECONDS - started)) s"
   cat "$logs/$backend.log"
   if failed "$backend" "$rc"; then status=1; fi
 done

@@ -1,4 +1,5 @@
-"""Test set-up: pick the backend, split the CPU into 8 logical devices, guard the environment."""
+"""Test set-up: pick the backend, split the CPU into 8 logical devices (one on torch), keep only
+the tests marked `torch` on the torch run, guard the environment."""
 
 import atexit
 import os
@@ -20,10 +21,39 @@ import pytest  # noqa: E402
 
 from keras_accel.utils.devices import configure_virtual_cpu_devices  # noqa: E402
 
-NUM_DEVICES = int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "8"))
+BACKEND = keras.backend.backend()
+
+# On torch one process is one device (several are several processes: keras-accel launch -n N),
+# so its run has one device whatever KERAS_ACCEL_TEST_DEVICES says elsewhere.
+NUM_DEVICES = int(os.environ.get("KERAS_ACCEL_TEST_DEVICES", "1" if BACKEND == "torch" else "8"))
+if BACKEND == "torch" and NUM_DEVICES != 1:
+    raise pytest.UsageError(
+        f"KERAS_BACKEND=torch runs one device per process; received "
+        f"KERAS_ACCEL_TEST_DEVICES={NUM_DEVICES}. Leave it unset or set it to 1 (the "
+        "multi-process tests start their own processes)."
+    )
 configure_virtual_cpu_devices(NUM_DEVICES)
 
-BACKEND = keras.backend.backend()
+
+def pytest_report_header(config):
+    if BACKEND == "torch":
+        return (
+            "KERAS_BACKEND=torch: only tests marked 'torch' are collected, the rest deselected "
+            "(tests/conftest.py); one device per process"
+        )
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The torch run is the torch-capable tests: those marked `torch`. The JAX and TF runs
+    take every test (the mark only adds the torch run)."""
+    if BACKEND != "torch":
+        return
+    kept = [item for item in items if item.get_closest_marker("torch") is not None]
+    deselected = [item for item in items if item.get_closest_marker("torch") is None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 # Set by pytest itself, or by TensorFlow when first imported (a tf.data test on the JAX run).

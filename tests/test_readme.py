@@ -34,8 +34,13 @@ def test_constraints_pin_every_package_exactly():
     names = {re.split(r"==", line)[0].lower().replace("_", "-") for line in lines}
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line) for line in lines)
     # What the suite needs is pinned, and keras_accel itself is not.
-    assert {"keras", "jax", "tensorflow", "keras-hub", "pytest", "ruff", "numpy"} <= names
+    needed = {"keras", "jax", "tensorflow", "torch", "keras-hub", "pytest", "ruff", "numpy"}
+    # torch needs setuptools>=77 and tensorflow needs wheel; pip freeze leaves both out.
+    assert needed | {"setuptools", "wheel"} <= names
     assert "keras-accel" not in names
+    # No local version label: a package index serves no torch '+cpu', so such a pin would fail
+    # to resolve on a machine without the local CPU wheel (pip freeze writes one: drop it).
+    assert not [line for line in lines if "+" in line]
 
 
 def _project_files() -> list:

@@ -33,7 +33,8 @@ def configure_virtual_cpu_devices(count: int) -> None:
 
     Must run before the backend touches a device (before any model is built). JAX gets
     `jax_num_cpu_devices`; TensorFlow gets logical CPU devices. This is how the test suite
-    exercises 8-way data parallelism on a 2-core machine.
+    exercises 8-way data parallelism on a 2-core machine. On torch a process is one device:
+    `count` must be 1 (several devices are several processes, `keras-accel launch -n N`).
 
     Args:
         count: number of logical CPU devices, at least 1.
@@ -78,6 +79,13 @@ def configure_virtual_cpu_devices(count: int) -> None:
                     f"switch to count={count}. Call configure_virtual_cpu_devices() before "
                     "any TensorFlow op runs."
                 ) from None
+    elif backend == "torch" and count != 1:
+        # torch has no logical devices: its data parallelism is one process per device.
+        raise ValueError(
+            f"On the torch backend one process is one device: virtual CPU devices are a JAX "
+            f"and TensorFlow feature. Received: count={count}. Start one process per device "
+            f"instead (keras-accel launch -n {count} script.py), or leave count at 1."
+        )
     elif count != 1:
         raise ValueError(
             f"Virtual CPU devices are supported on the jax and tensorflow backends. "

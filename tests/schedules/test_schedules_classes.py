@@ -95,24 +95,28 @@ def test_values(evaluate, name):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_scalar_step(name):
     schedule, expected = CASES[name]
     assert float(schedule(2)) == pytest.approx(expected[2], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.torch
 def test_fraction_boundaries_round_to_the_nearest_step():
     # 0.29 * 100 is 28.999... in floating point; the boundary must still be step 29.
     schedule = PiecewiseConstant([1.0, 0.5], boundaries=[0.29], unit="fraction", total_steps=100)
     np.testing.assert_allclose(schedule(np.array([28, 29])), [1.0, 0.5])
 
 
+@pytest.mark.torch
 def test_warmup_fraction_leaves_one_step_after_the_warmup():
     # 0.9 of 2 steps rounds to 2: the warmup is cut to 1 step so the decay still runs.
     schedule = WarmupLinear(1.0, warmup_fraction=0.9, total_steps=2)
     np.testing.assert_allclose(schedule(np.arange(3)), [0.0, 1.0, 0.0])
 
 
+@pytest.mark.torch
 def test_join_drops_pieces_a_short_run_rounds_away():
     # 0.3 and 0.4 of 2 steps both round to step 1: the cosine piece never runs.
     schedule = Join(
@@ -122,12 +126,14 @@ def test_join_drops_pieces_a_short_run_rounds_away():
     np.testing.assert_allclose(schedule(np.arange(3)), [1.0, 0.5, 0.5])
 
 
+@pytest.mark.torch
 def test_join_without_total_steps_accepts_a_last_piece_that_needs_none():
     schedule = Join([CosineDecay(1.0), Constant(0.5)], boundaries=[4])
     assert not schedule.needs_total_steps
     np.testing.assert_allclose(schedule(np.arange(6)), [*COS_4, 0.5, 0.5], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.torch
 def test_join_last_boundary_past_the_end_is_fine_when_the_last_piece_needs_no_length():
     schedule = Join([Constant(1.0), Constant(0.5)], boundaries=[50], total_steps=10)
     assert float(schedule(9)) == pytest.approx(1.0)
@@ -148,6 +154,7 @@ def unbound_schedules():
     }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", sorted(unbound_schedules()))
 def test_unbound_schedule_says_what_is_missing(name):
     schedule = unbound_schedules()[name]
@@ -170,6 +177,7 @@ def test_with_total_steps_returns_a_bound_copy(name):
     assert bound.get_config()["total_steps"] == 20
 
 
+@pytest.mark.torch
 def test_epoch_boundaries_need_steps_per_epoch():
     schedule = PiecewiseConstant([1.0, 0.1], boundaries=[2], unit="epochs")
     assert schedule.needs_total_steps
@@ -180,6 +188,7 @@ def test_epoch_boundaries_need_steps_per_epoch():
     np.testing.assert_allclose(bound(np.array([19, 20])), [1.0, 0.1], rtol=1e-6)
 
 
+@pytest.mark.torch
 def test_join_passes_steps_per_epoch_to_its_pieces():
     piece = PiecewiseConstant([1.0, 0.1], boundaries=[1], unit="epochs")
     schedule = Join([Constant(2.0), piece], boundaries=[1], unit="epochs")
@@ -187,6 +196,7 @@ def test_join_passes_steps_per_epoch_to_its_pieces():
     np.testing.assert_allclose(bound(np.array([9, 10, 19, 20])), [2.0, 1.0, 1.0, 0.1])
 
 
+@pytest.mark.torch
 def test_schedules_that_need_no_length_accept_one():
     schedule = ExponentialDecay(1.0, decay_steps=1, decay_rate=0.5)
     assert not schedule.needs_total_steps
@@ -195,6 +205,7 @@ def test_schedules_that_need_no_length_accept_one():
     assert float(bound(1)) == pytest.approx(0.5)
 
 
+@pytest.mark.torch
 def test_every_schedule_is_a_keras_schedule():
     import keras
 
@@ -203,6 +214,7 @@ def test_every_schedule_is_a_keras_schedule():
         assert isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule)
 
 
+@pytest.mark.torch
 def test_repr_shows_the_arguments():
     assert repr(WarmupCosine(1e-3, warmup_steps=10, total_steps=100)) == (
         "WarmupCosine(peak_value=0.001, warmup_steps=10, warmup_fraction=None, "

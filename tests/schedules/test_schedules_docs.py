@@ -9,6 +9,9 @@ import pytest
 
 from tests.helpers import run_docstring_examples
 
+# Backend-generic: the torch run takes these too (tests/conftest.py).
+pytestmark = pytest.mark.torch
+
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "schedules.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
 MODULES = [

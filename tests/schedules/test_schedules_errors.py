@@ -14,6 +14,9 @@ from keras_accel.schedules import (
     WarmupLinear,
 )
 
+# Backend-generic: the torch run takes these too (tests/conftest.py).
+pytestmark = pytest.mark.torch
+
 NAN = float("nan")
 
 # name: (build, fragment or fragments of the message); every message also says "Received:".

@@ -83,6 +83,7 @@ def test_join_restarts_each_schedule_at_its_boundary(evaluate):
     np.testing.assert_allclose(out, [1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0], atol=1e-7)
 
 
+@pytest.mark.torch
 def test_scalar_step_gives_scalar():
     out = functional.cosine_decay(2, init_value=1.0, end_value=0.0, decay_steps=4)
     assert tuple(out.shape) == ()
@@ -97,11 +98,13 @@ def test_scalar_step_gives_scalar():
         (functional.linear_warmup, {"init_value": 0.0, "peak_value": 1.0}, "warmup_steps"),
     ],
 )
+@pytest.mark.torch
 def test_zero_length_is_refused(fn, kwargs, name):
     with pytest.raises(ValueError, match=f"Received: {name}=0"):
         fn(1, **{name: 0}, **kwargs)
 
 
+@pytest.mark.torch
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="one more entry"):
         functional.piecewise_constant(0, values=[1.0], boundaries=[2])

@@ -19,6 +19,9 @@ from keras_accel.schedules import (
     WarmupLinear,
 )
 
+# Backend-generic: the torch run takes these too (tests/conftest.py).
+pytestmark = pytest.mark.torch
+
 STEPS = np.arange(24)
 
 

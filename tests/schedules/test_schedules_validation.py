@@ -12,6 +12,9 @@ from keras_accel.schedules import (
     validate_learning_rate,
 )
 
+# Backend-generic: the torch run takes these too (tests/conftest.py).
+pytestmark = pytest.mark.torch
+
 
 @pytest.mark.parametrize(
     "value",

@@ -7,6 +7,9 @@ import pytest
 from keras_accel.utils import cluster
 from keras_accel.utils.cluster import Cluster, detect
 
+# Backend-generic: the torch run takes these too (tests/conftest.py).
+pytestmark = pytest.mark.torch
+
 ALL = (
     *cluster.KERAS_VARIABLES,
     cluster.SWITCH,
