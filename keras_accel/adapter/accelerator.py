@@ -135,13 +135,6 @@ class Accelerator:
             raise TypeError(f"`seed` must be an int or None. Received: seed={seed!r}")
         self._backend = keras.backend.backend()
         self._module = backends.load(self._backend)
-        if self._backend == "torch":
-            warnings.warn(
-                f"keras_accel: distribution is not supported on the torch backend; "
-                f"strategy={strategy!r} runs on a single device.",
-                stacklevel=2,
-            )
-            strategy = "single"
         # A multi-process run joins its cluster before the first device query.
         self._cluster = cluster.detect(self._backend)
         connect = getattr(self._module, "connect", None)
@@ -548,6 +541,16 @@ class Accelerator:
             self.steps_per_execution, model, kind, steps, callbacks, validating=validating
         )
         chosen = why.startswith(("compile(", "Accelerator("))
+        limit = self._runtime.max_steps_per_execution
+        if limit is not None and n > limit:
+            if why.startswith("Accelerator("):
+                raise ValueError(
+                    f"Keras's {self._backend} trainer runs at most {limit} step per call. "
+                    f"Received: Accelerator(steps_per_execution={n}). Use "
+                    "steps_per_execution='auto' (or 1) on this backend."
+                )
+            if not chosen:  # compile()'s own value: Keras says what it takes.
+                n, why = limit, f"auto: Keras's {self._backend} trainer runs one step per call"
         if divides and not chosen and n > 1 and divides % n:
             # Keras validates with fit's steps_per_execution: a group of N steps must not
             # read past `validation_steps`.

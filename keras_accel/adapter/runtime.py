@@ -30,9 +30,13 @@ class Runtime:
         all_reduce_sum: sums tensors across replicas inside a replica's step (what
             BatchNormalization's moments need), or None where the program already sees
             the global batch (JAX's global view, one device).
+        max_steps_per_execution: the most steps one host call may run, or None (any):
+            Keras's torch trainer runs one.
     """
 
     all_reduce_sum = None
+    # The most steps one host call may run (Keras's `steps_per_execution`), or None.
+    max_steps_per_execution: int | None = None
 
     def __init__(self, plan: Plan, native=None):
         self.plan = plan

@@ -276,13 +276,17 @@ def _unscaled_update(original):
     return update_state
 
 
-def install_global_results(patches: Patches, model, global_result: Callable) -> None:
+def install_global_results(
+    patches: Patches, model, global_result: Callable, when: Callable | None = None
+) -> None:
     """Where each replica runs its own program (TF), make every metric's `result()` inside a
     padded step the result over all replicas' rows: `global_result(metric, original)`.
 
     Keras reports a step's logs as the mean of the replicas' own results, which is the
     global result only when every replica holds as many real rows as the others; a padded
-    batch puts its padding on the last replicas.
+    batch puts its padding on the last replicas. `when()` says where results are global
+    instead (default: inside a padded step); on torch, whose logs are each process's own,
+    inside every step.
     """
     done: set[int] = set()
 
@@ -290,7 +294,7 @@ def install_global_results(patches: Patches, model, global_result: Callable) -> 
         for metric in _leaf_metrics(metrics):
             if id(metric) not in done:
                 done.add(id(metric))
-                patches.set(metric, "result", _global_result(metric, global_result))
+                patches.set(metric, "result", _global_result(metric, global_result, when))
 
     install(model.metrics)
     for container in (keras_internals.compile_metrics(model), keras_internals.compile_loss(model)):
@@ -309,13 +313,22 @@ def _leaf_metrics(metrics):
             yield metric
 
 
-def _global_result(metric, global_result: Callable):
+# Set while a global result is computed: a container's result (Keras's CompileMetrics) reads
+# its inner metrics' results from the state already reduced, which must not be reduced again.
+_REDUCING: contextvars.ContextVar = contextvars.ContextVar("keras_accel_reducing", default=False)
+
+
+def _global_result(metric, global_result: Callable, when: Callable | None = None):
     original = metric.result
 
     def result():
-        if ROW_MASK.get() is None:
+        if _REDUCING.get() or ((ROW_MASK.get() is None) if when is None else not when()):
             return original()
-        return global_result(metric, original)
+        token = _REDUCING.set(True)
+        try:
+            return global_result(metric, original)
+        finally:
+            _REDUCING.reset(token)
 
     return result
 

@@ -2,9 +2,10 @@
 
 Each process gets the environment a multi-host job gets from its cluster manager, pointed at
 127.0.0.1: Keras's `KERAS_DISTRIBUTION_*` variables (JAX's distributed runtime, with CPU
-collectives when there is no accelerator) and `TF_CONFIG` (TensorFlow's multi-worker
-strategies), so the same script, unchanged, runs here and on a pod. Their output is streamed
-line by line, prefixed with the process index. The launch ends with the first failure: the
+collectives when there is no accelerator), `TF_CONFIG` (TensorFlow's multi-worker
+strategies) and torchrun's `WORLD_SIZE`/`RANK`/`LOCAL_RANK`/`MASTER_ADDR`/`MASTER_PORT`
+(`torch.distributed`), so the same script, unchanged, runs here and on a pod. Their output is
+streamed line by line, prefixed with the process index. The launch ends with the first failure: the
 other processes get SIGTERM, then SIGKILL after `--grace` seconds, and the message names the
 process that failed and how. SIGTERM or Ctrl-C to the launcher is passed on to every process
 (a preemption: `keras_accel.callbacks.BackupAndRestore` saves, then the process exits).
@@ -84,6 +85,13 @@ def process_env(index: int, ports: list[int], devices_per_process: int | None) -
         "TF_CONFIG": json.dumps(
             {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
         ),
+        # torch.distributed (torchrun's variables): rank 0's host and port hold the store.
+        "WORLD_SIZE": str(len(ports)),
+        "RANK": str(index),
+        "LOCAL_RANK": str(index),
+        "LOCAL_WORLD_SIZE": str(len(ports)),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(ports[0]),
         "PYTHONUNBUFFERED": "1",
     }
     if devices_per_process is not None:

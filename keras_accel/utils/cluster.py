@@ -12,6 +12,9 @@ join after a computation ran; `tf.distribute` reads `TF_CONFIG` when its strateg
   arguments): a Cloud TPU pod slice, SLURM, Open MPI or MPICH with more than one task.
 - `TF_CONFIG` naming more than one chief/worker task: TensorFlow's multi-worker description
   (what `MultiWorkerMirroredStrategy` reads).
+- On torch, torchrun's `WORLD_SIZE`/`RANK`/`MASTER_ADDR`/`MASTER_PORT` first (what
+  `torch.distributed` reads with `env://`; `keras-accel launch` sets them too), then Keras's
+  variables, then SLURM (with `MASTER_ADDR`/`MASTER_PORT`).
 
 `KERAS_ACCEL_DISTRIBUTED=0` turns detection off (one process, whatever the environment says);
 `=1` joins a cluster even where nothing above is set (JAX then asks its own detectors).
@@ -159,6 +162,48 @@ def detect_tf_config() -> Cluster | None:
     return Cluster("TF_CONFIG", len(workers), position, workers[0])
 
 
+TORCH_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def detect_torchrun() -> Cluster | None:
+    """torchrun's (and `torch.distributed`'s `env://`) variables: `WORLD_SIZE`, `RANK`,
+    `MASTER_ADDR`, `MASTER_PORT`, validated. `keras-accel launch` sets them too."""
+    count = _int("WORLD_SIZE")
+    if count is None:
+        return None
+    index = _int("RANK")
+    if count < 1:
+        raise ValueError(f"WORLD_SIZE must be at least 1. Received: WORLD_SIZE={count}")
+    if count == 1:
+        return Cluster("WORLD_SIZE/RANK variables", 1, 0)
+    if index is None or not 0 <= index < count:
+        raise ValueError(
+            f"WORLD_SIZE={count} needs this process's RANK in [0, {count}). Received: "
+            f"RANK={os.environ.get('RANK')!r}"
+        )
+    return Cluster(
+        "torchrun's WORLD_SIZE/RANK variables",
+        num_processes=count,
+        process_id=index,
+        coordinator=_master(f"WORLD_SIZE={count}"),
+    )
+
+
+def _master(why: str) -> str:
+    """`MASTER_ADDR:MASTER_PORT`, where the process group's store listens."""
+    address, port = os.environ.get("MASTER_ADDR"), _int("MASTER_PORT")
+    if not address or port is None:
+        missing = [n for n, v in (("MASTER_ADDR", address), ("MASTER_PORT", port)) if not v]
+        raise ValueError(
+            f"{why} describes several torch processes, which meet at MASTER_ADDR:MASTER_PORT "
+            f"(the chief's host and a free port). Missing: {', '.join(missing)}. torchrun and "
+            "`keras-accel launch` set them."
+        )
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT must be a TCP port (1-65535). Received: {port}")
+    return f"{address}:{port}"
+
+
 def detect(backend: str) -> Cluster | None:
     """The multi-process environment this process runs in, or None for one process."""
     forced = switch()
@@ -179,6 +224,22 @@ def detect(backend: str) -> Cluster | None:
                 "worker: TensorFlow's multi-worker strategies find the cluster there. "
                 "`keras-accel launch` sets it for a run on this host."
             )
+        return found
+    if backend == "torch":
+        found = detect_torchrun() or detect_keras()
+        if found is None:
+            managed = detect_jax_managed()
+            if managed is not None and managed.source == "SLURM":
+                found = dataclasses.replace(managed, coordinator=_master("SLURM"))
+            elif managed is not None:
+                found = managed
+        if found is None and forced:
+            raise ValueError(
+                f"{SWITCH}=1 with KERAS_BACKEND=torch needs WORLD_SIZE, RANK, MASTER_ADDR and "
+                "MASTER_PORT (torchrun sets them), or `keras-accel launch -n N`."
+            )
+        if found is not None and found.num_processes == 1:
+            return None
         return found
     return None
 

@@ -23,12 +23,28 @@ def _backend() -> str:
     return keras.backend.backend()
 
 
+def _torch_group():
+    """torch.distributed, where this process joined a process group (the Accelerator's
+    `connect`, or the user's own `init_process_group`), else None. Only looked up where
+    torch is imported already: asking never imports it."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def num_processes() -> int:
     """Number of cooperating training processes (1 for a single-process run)."""
     if _backend() == "jax":
         import jax
 
         return jax.process_count()
+    if _backend() == "torch":
+        group = _torch_group()
+        return 1 if group is None else group.get_world_size()
     found = _tf_cluster()
     return 1 if found is None else found.num_processes
 
@@ -40,6 +56,9 @@ def process_index() -> int:
         import jax
 
         return jax.process_index()
+    if _backend() == "torch":
+        group = _torch_group()
+        return 0 if group is None else group.get_rank()
     found = _tf_cluster()
     return 0 if found is None else found.process_id
 
@@ -55,7 +74,8 @@ def barrier(name: str, model=None) -> None:
     Where one process prepares something that all then read (the chief creates a backup
     directory, the others list it), the others must not look before it is done. JAX: the
     distributed runtime's `sync_global_devices`; TensorFlow: one all-reduce over the
-    model's multi-worker strategy.
+    model's multi-worker strategy; torch: a barrier of the process group that fails after
+    its timeout, naming the processes that never came.
     """
     if num_processes() == 1:
         return
@@ -63,6 +83,11 @@ def barrier(name: str, model=None) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    if _backend() == "torch":
+        from keras_accel.adapter.backends.torch import barrier as torch_barrier
+
+        torch_barrier(name)
         return
     import tensorflow as tf
 

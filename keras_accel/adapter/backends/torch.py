@@ -1,38 +1,449 @@
-"""torch: a single device; keras_accel's distribution is not supported on this backend."""
+"""torch: data parallelism as torch does it, one process per device (`torch.distributed`).
+
+Keras's torch trainer runs each step eagerly in Python, so the Accelerator owns what makes
+several processes one training, for the duration of each call, on the instances only:
+
+- **one start**: every process joins one process group (`connect`: gloo on CPUs, NCCL on
+  GPUs, each process on its `LOCAL_RANK` device), draws the chief's seed, and begins every
+  `fit` from the chief's variables (`SameStart`, a broadcast);
+- **its own rows**: each process feeds its contiguous share of every global batch (the
+  feeder's static batches, the same in every process), so every process runs the same steps;
+- **one gradient**: the optimizer's `apply` first averages the gradients over the
+  processes, one all-reduce per dtype (the gradients flattened into one bucket), so every
+  process applies the same update, clipping and loss scaling included (`_AveragedApply`);
+- **exact numbers**: a padded batch weights each process's real rows by the global batch's
+  real row count (`row_count`), BatchNormalization sums its moments across processes
+  (`all_reduce_sum`, differentiable), and metrics report the state summed over every
+  process's rows (`global_result`);
+- **every prediction**: each batch's outputs are gathered in process order, so `predict`
+  returns every row, in order, on every process.
+
+With one process (no process group) the runtime is one device and adds nothing.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
+import warnings
+
+import keras
+import numpy as np
+
 from keras_accel.adapter import runtime
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
-from keras_accel.data.pydataset import StaticBatchDataset
+from keras_accel.data.pydataset import StaticBatchDataset, stream
+from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
+from keras_accel.utils import keras_internals
+
+# A process whose peers stop answering fails after this many seconds (a collective's
+# timeout, and the wait for every process to join), as JAX's heartbeat does.
+TIMEOUT_S = int(os.environ.get("KERAS_ACCEL_HEARTBEAT_TIMEOUT", "100"))
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _joined() -> bool:
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized()
+
+
+def _world() -> int:
+    return _dist().get_world_size() if _joined() else 1
+
+
+def _rank() -> int:
+    return _dist().get_rank() if _joined() else 0
+
+
+def local_rank() -> int:
+    """This process's index on its host (`LOCAL_RANK`, as torchrun and `keras-accel launch`
+    set it; 0 where unset)."""
+    raw = os.environ.get("LOCAL_RANK", "0") or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an integer. Received: LOCAL_RANK={raw!r}") from None
+
+
+def connect(cluster) -> None:
+    """Join the process group once, before the first device query.
+
+    The environment the field uses describes the run (`keras_accel.utils.cluster`:
+    torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, SLURM, `keras-accel
+    launch`). gloo on CPUs, NCCL on GPUs (each process on its `LOCAL_RANK` GPU). A process
+    group the user initialized already is used as it is. Every process must join within
+    `KERAS_ACCEL_HEARTBEAT_TIMEOUT` seconds (100 by default), or each fails saying so.
+    """
+    import torch
+
+    dist = _dist()
+    if cluster is None or _joined():
+        return
+    if cluster.num_processes is None or cluster.process_id is None or not cluster.coordinator:
+        raise ValueError(
+            f"The {cluster.source} describe a multi-process run but not all of it: "
+            f"processes={cluster.num_processes}, this process={cluster.process_id}, "
+            f"coordinator={cluster.coordinator}. torch needs all three: set WORLD_SIZE, RANK, "
+            "MASTER_ADDR and MASTER_PORT (torchrun does), or start the script with "
+            "`keras-accel launch -n N`."
+        )
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local_rank() % torch.cuda.device_count())
+    host, _, port = cluster.coordinator.rpartition(":")
+    try:
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{cluster.coordinator}",
+            world_size=cluster.num_processes,
+            rank=cluster.process_id,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+    except Exception as error:  # torch's DistStoreError, RuntimeError: the text says which.
+        text = str(error)
+        if "ADDRINUSE" in text or "address already in use" in text.lower():
+            raise RuntimeError(
+                f"Process {cluster.process_id} of {cluster.num_processes} could not serve the "
+                f"process group's store on {cluster.coordinator} ({cluster.source}): the port "
+                f"is in use by another program. Choose a free MASTER_PORT, or let "
+                f"`keras-accel launch` pick one."
+            ) from error
+        if "timeout" in text.lower() or "timed out" in text.lower():
+            raise RuntimeError(
+                f"Process {cluster.process_id} waited {TIMEOUT_S} s for all "
+                f"{cluster.num_processes} processes to join the process group at "
+                f"{host}:{port} ({cluster.source}); not all came. Start one process per rank "
+                f"0..{cluster.num_processes - 1} with the same MASTER_ADDR/MASTER_PORT, or "
+                "raise KERAS_ACCEL_HEARTBEAT_TIMEOUT."
+            ) from error
+        raise
+
+
+def barrier(name: str) -> None:
+    """Every process got here (gloo: a barrier that names the ranks that never came, after
+    the timeout)."""
+    if _world() == 1:
+        return
+    dist = _dist()
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        except RuntimeError as error:
+            raise RuntimeError(f"keras_accel: barrier {name!r}: {error}") from error
+    else:
+        dist.barrier()
+
+
+def agree_seed(seed: int | None) -> int:
+    """One seed for every process: the chief's (drawn there when `seed` is None)."""
+    import torch
+
+    local = np.random.SeedSequence().entropy % 2**31 if seed is None else seed
+    value = torch.tensor([int(local)], dtype=torch.int64, device=_collective_device())
+    _dist().broadcast(value, src=0)
+    return int(value.item())
+
+
+def agree_all(flag: bool) -> bool:
+    """True where `flag` is true in every process."""
+    import torch
+
+    if _world() == 1:
+        return bool(flag)
+    value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_collective_device())
+    _dist().all_reduce(value, op=_dist().ReduceOp.MIN)
+    return bool(value.item())
+
+
+def _collective_device():
+    import torch
+
+    if _joined() and _dist().get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
+    """One device per process: in a process group, one entry per process (`gpu:r` or
+    `cpu:r` for rank r); without one, this process's device. A single process that sees
+    several GPUs says once how to use them all."""
     import torch
 
+    world = _world()
     if torch.cuda.is_available():
-        return {"gpu": ["gpu:0"], "cpu": ["cpu:0"]}
-    return {"cpu": ["cpu:0"]}
+        if world == 1 and torch.cuda.device_count() > 1:
+            _note_several_gpus(torch.cuda.device_count())
+        return {"gpu": [f"gpu:{r}" for r in range(world)], "cpu": ["cpu:0"]}
+    return {"cpu": [f"cpu:{r}" for r in range(world)]}
+
+
+_NOTED_GPUS: list[int] = []
+
+
+def _note_several_gpus(count: int) -> None:
+    if _NOTED_GPUS:
+        return
+    _NOTED_GPUS.append(count)
+    warnings.warn(
+        f"keras_accel: this process sees {count} GPUs and uses one: on torch, data "
+        f"parallelism runs one process per device. Start `keras-accel launch -n {count} "
+        f"script.py` (or `torchrun --nproc-per-node {count} script.py`) to use all {count}.",
+        stacklevel=3,
+    )
 
 
 @STRATEGIES.builder("single", "torch", default=True)
 def _single(plan: Plan, layout_map):
-    return None  # The Accelerator runs every strategy as "single" on torch, with a warning.
+    return None
+
+
+@STRATEGIES.builder("data_parallel", "torch", default=True)
+def _data_parallel(plan: Plan, layout_map):
+    """The process group: one replica per process."""
+    world = _world()
+    if plan.num_replicas != world:
+        raise ValueError(
+            f"On torch data parallelism runs one process per device: {world} process"
+            f"{'es' if world > 1 else ''} in the process group, so devices={world}. "
+            f"Received: {plan.num_replicas} devices. Start one process per device "
+            "(`keras-accel launch -n N`, torchrun)."
+        )
+    return _dist().group.WORLD
 
 
 class Runtime(runtime.Runtime):
-    """One device: Keras builds torch models from the step's own data, at the first step,
-    and places them itself."""
+    """One process per replica: the call's steps made one training across the process
+    group (see the module docstring)."""
+
+    max_steps_per_execution = 1  # Keras's torch trainer runs one step per call (3.15).
+
+    def __init__(self, plan: Plan, native=None):
+        super().__init__(plan, native)
+        self.rank = _rank()
+        self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
+
+    def device_scope(self):
+        return contextlib.nullcontext()  # Keras places tensors on this process's device.
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def install(self, patches: Patches, model, first_batch, training: bool) -> None:
+        if first_batch is not None:
+            # Keras builds a model from the first batch it reads; ours carries the row mask,
+            # which only our step wrappers understand: build from the batch the model's step
+            # sees instead.
+            keras_internals.install_symbolic_build(
+                patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+            )
+        if self.num_replicas == 1:
+            return
+        if training:
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None:
+                patches.set(optimizer, "apply", _averaged_apply(optimizer.apply))
+        install_global_results(patches, model, global_result, when=_in_step)
+
+    def install_outer(self, patches: Patches, model) -> None:
+        if self.num_replicas == 1:
+            return
+        for kind in ("train", "test", "predict"):
+            patches.set(model, f"{kind}_step", _stepping(getattr(model, f"{kind}_step"), kind))
+        # Keras reads the epoch's (and the evaluation's) logs from `get_metrics_result()`
+        # after the last step, in every process: global there too.
+        patches.set(model, "get_metrics_result", _stepping(model.get_metrics_result, None))
+
+    def callbacks(self) -> list:
+        return [SameStart()] if self.num_replicas > 1 else []
+
+    def row_count(self, row_mask):
+        import torch
+
+        # Each process weights its share of the epoch's loss average by the global batch's
+        # real rows over the process count: summed over processes, the real rows.
+        total = torch.sum(row_mask.to(torch.float32)).reshape(1)
+        if self.num_replicas > 1:
+            total = total.detach().clone()
+            _dist().all_reduce(total)
+        return total[0] / self.num_replicas
+
+    def process_rows(self, static_rows: int) -> slice | None:
+        """This process's rows of each global batch of `static_rows` (None in one process)."""
+        if self.num_replicas == 1:
+            return None
+        share = static_rows // self.num_replicas
+        return slice(self.rank * share, (self.rank + 1) * share)
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
-        if preprocess is not None or not hasattr(batches, "batch"):
+        rows = self.process_rows(batches.plan.static_rows)
+        if preprocess is not None:
             raise ValueError(
-                "On the torch backend keras_accel feeds numpy arrays and PyDatasets only. "
-                f"Received: {type(batches).__name__}"
-                + (" with a keras-hub preprocessor" if preprocess is not None else "")
-                + ". Use KERAS_BACKEND=jax or KERAS_BACKEND=tensorflow."
+                "On the torch backend keras_accel feeds numbers: a keras-hub preprocessor "
+                "runs in tf.data, which Keras's torch trainer reads but keras_accel does not "
+                "route there yet. Received: a model with a preprocessor. Preprocess first "
+                "(`preprocessor(x)` into arrays), or use KERAS_BACKEND=jax or tensorflow."
             )
-        return StaticBatchDataset(batches, carry_mask=carry_mask)
+        if isinstance(batches, IterableBatches):
+            return stream(batches, carry_mask=carry_mask, rows=rows)
+        if isinstance(batches, (ArrayBatches, PyDatasetBatches)):
+            return StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
+        # tf.data inputs: Keras's torch trainer reads them as torch tensors.
+        from keras_accel.data import tfdata
+
+        pipeline = batches.pipeline(carry_mask, preprocess)
+        return pipeline if rows is None else tfdata.take_rows(pipeline, rows)
+
+
+# Set while one of the call's steps runs: every process is in the same step then, so a
+# collective there meets the others. Outside a step (a callback reading a metric on the
+# chief only) results stay this process's own.
+_IN_STEP: list[int] = [0]
+
+
+def _in_step() -> bool:
+    return _IN_STEP[0] > 0
+
+
+def _stepping(step, kind: str | None):
+    def run(*args):
+        _IN_STEP[0] += 1
+        try:
+            result = step(*args)
+        finally:
+            _IN_STEP[0] -= 1
+        if kind == "predict":
+            result = _gathered(result)
+        return result
+
+    return run
+
+
+def _gathered(outputs):
+    """Every process's outputs of this batch, concatenated in process order: the global
+    batch's rows in their order (each process holds a contiguous share)."""
+    import torch
+
+    dist = _dist()
+
+    def gather(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        leaf = leaf.detach().contiguous()
+        parts = [torch.empty_like(leaf) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, leaf)
+        return torch.cat(parts, dim=0)
+
+    return keras.tree.map_structure(gather, outputs)
+
+
+def all_reduce_sum(tensors):
+    """Sums a list of tensors across processes, differentiably (the gradient of a sum is
+    the sum of the gradients: what BatchNormalization's synchronized moments need)."""
+    import torch
+    from torch.distributed.nn import functional
+
+    # One collective for the list: flattened, summed, cut again.
+    shapes = [t.shape for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    summed = functional.all_reduce(flat)
+    out, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape)) if len(shape) else 1
+        out.append(summed[start : start + size].reshape(shape))
+        start += size
+    return out
+
+
+def _averaged_apply(apply):
+    """The optimizer's `apply` on gradients averaged over the processes: one all-reduce
+    per dtype over the flattened gradients (gradients that are None stay None: every
+    process has the same ones)."""
+
+    def averaged(grads, trainable_variables=None):
+        return apply(average_gradients(grads), trainable_variables)
+
+    return averaged
+
+
+def average_gradients(grads):
+    """`grads` averaged over the processes, in place of each (one all-reduce per dtype)."""
+    import torch
+
+    dist = _dist()
+    world = dist.get_world_size()
+    grads = list(grads)
+    by_dtype: dict = {}
+    for i, g in enumerate(grads):
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([grads[i].reshape(-1) for i in indices])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        start = 0
+        for i in indices:
+            size = grads[i].numel()
+            grads[i] = flat[start : start + size].view_as(grads[i])
+            start += size
+    return grads
+
+
+def global_result(metric, result):
+    """`metric`'s result over every process's rows: its variables reduced as their
+    `aggregation` says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the
+    chief's), the others ("none") left as this process's."""
+    dist = _dist()
+    values = []
+    for variable in metric.variables:
+        value = variable.value.detach().clone()
+        aggregation = getattr(variable, "aggregation", "sum")
+        if aggregation in ("sum", "mean"):
+            dist.all_reduce(value)
+            if aggregation == "mean":
+                value = value / dist.get_world_size()
+        elif aggregation == "only_first_replica":
+            dist.broadcast(value, src=0)
+        values.append(value)
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+        return result()
+
+
+class SameStart(keras.callbacks.Callback):
+    """Every process begins the fit from the chief's variables (model and optimizer, as
+    they are when training begins: built, restored): one broadcast per dtype."""
+
+    def on_train_begin(self, logs=None):
+        variables = list(self.model.variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        broadcast_variables(variables)
+
+
+def broadcast_variables(variables) -> None:
+    """Assign the chief's values to `variables` in every process."""
+    import torch
+
+    dist = _dist()
+    by_dtype: dict = {}
+    for variable in variables:
+        by_dtype.setdefault(variable.value.dtype, []).append(variable)
+    for group in by_dtype.values():
+        flat = torch.cat([v.value.detach().reshape(-1) for v in group])
+        dist.broadcast(flat, src=0)
+        start = 0
+        for v in group:
+            size = v.value.numel()
+            v.assign(flat[start : start + size].view_as(v.value))
+            start += size
 
 
 def build(plan: Plan, layout_map=None) -> Runtime:
@@ -40,7 +451,6 @@ def build(plan: Plan, layout_map=None) -> Runtime:
 
 
 def backend_versions() -> dict[str, str]:
-    import keras
     import torch
 
     return {"torch": torch.__version__, "keras": keras.__version__}
