@@ -348,18 +348,45 @@ def all_reduce_sum(tensors):
     """Sums a list of tensors across processes, differentiably (the gradient of a sum is
     the sum of the gradients: what BatchNormalization's synchronized moments need)."""
     import torch
-    from torch.distributed.nn import functional
 
     # One collective for the list: flattened, summed, cut again.
     shapes = [t.shape for t in tensors]
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    summed = functional.all_reduce(flat)
+    summed = _summed()(flat)
     out, start = [], 0
     for shape in shapes:
         size = int(np.prod(shape)) if len(shape) else 1
         out.append(summed[start : start + size].reshape(shape))
         start += size
     return out
+
+
+_SUMMED: list = []
+
+
+def _summed():
+    """`x -> sum of x over the processes`, with the sum of the gradients as its gradient
+    (made once: a `torch.autograd.Function` over the public `all_reduce`; torch's own,
+    `torch.distributed.nn.functional.all_reduce`, is deprecated for private functional
+    collectives)."""
+    if not _SUMMED:
+        import torch
+
+        class Summed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                x = x.clone()
+                _dist().all_reduce(x)
+                return x
+
+            @staticmethod
+            def backward(ctx, grad):
+                grad = grad.clone()
+                _dist().all_reduce(grad)
+                return grad
+
+        _SUMMED.append(Summed.apply)
+    return _SUMMED[0]
 
 
 def _averaged_apply(apply):
