@@ -93,7 +93,9 @@ class Feeder:
                 seed=self.seed,
                 class_weight=class_weight,
             )
-        elif sources.is_generator(x) or sources.is_grain_dataset(x):
+        elif (
+            sources.is_generator(x) or sources.is_grain_dataset(x) or sources.is_torch_dataloader(x)
+        ):
             batches = None
             if own_files and self.num_processes > 1 and sources.is_grain_dataset(x):
                 # Every process reads only its rows of each batch where it can (all agree).

@@ -184,7 +184,8 @@ def _trace(model, kind: str, data: Any):
     already traced needs another function (compile() again, another contract...).
     JAX: a new object, since `jax.jit` runs the step's Python once per trace, whose inputs
     are tracers; a step on concrete arrays runs eagerly (`jit_compile=False`).
-    Other backends: `_EAGER`, each signature counted once.
+    torch: eager steps compile nothing (`_NOT_TRACING`); under `jit_compile=True`
+    (`torch.compile`) each new signature is a compilation, `_EAGER`, counted once.
     """
     backend = keras.backend.backend()
     if backend == "tensorflow":
@@ -199,6 +200,8 @@ def _trace(model, kind: str, data: Any):
 
         traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(data))
         return object() if traced else _NOT_TRACING
+    if backend == "torch" and not getattr(model, "jit_compile", False):
+        return _NOT_TRACING  # Keras runs torch steps eagerly: a new shape compiles nothing.
     return _EAGER
 
 

@@ -79,6 +79,15 @@ class GrainPasses(PaddedBatchesAdapter):
     def get_jax_iterator(self, super_batch=None):
         return self.jax_batches(self._pass(), super_batch)
 
+    def get_torch_dataloader(self):
+        # Keras's torch trainer iterates what this returns; numbers become torch tensors on
+        # this process's device, as Keras's own adapters convert them.
+        def one_pass():
+            for item in self._pass():
+                yield keras.tree.map_structure(_torch_leaf, item)
+
+        return one_pass()
+
     def get_tf_dataset(self):
         import tensorflow as tf
 
@@ -98,6 +107,12 @@ class GrainPasses(PaddedBatchesAdapter):
     @property
     def num_batches(self):
         return self.batches.plan.num_batches
+
+
+def _torch_leaf(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":
+        return keras.ops.convert_to_tensor(leaf)
+    return leaf
 
 
 def _tensor_spec(leaf):

@@ -36,7 +36,8 @@ from keras_accel.data.batching import (
 SUPPORTED_INPUTS = (
     "numpy arrays (or tuples, lists, dicts of them; numbers or strings; sparse ones, "
     "densified), "
-    "keras.utils.PyDataset, tf.data.Dataset, a Python generator, a Grain data set (JAX)"
+    "keras.utils.PyDataset, tf.data.Dataset, a Python generator, a Grain data set (JAX), "
+    "a torch DataLoader"
 )
 
 
@@ -58,6 +59,7 @@ def is_array_input(value: Any) -> bool:
         or is_tf_dataset(value)
         or is_generator(value)
         or is_grain_dataset(value)
+        or is_torch_dataloader(value)
     )
 
 
@@ -90,6 +92,8 @@ def to_numpy(structure: Any, name: str) -> Any:
         # Densified here, as every batch is padded to a static shape: the values, and so
         # the results, are those of the sparse input (docs/accelerator.md, "Inputs").
         return _dense(structure, kind)
+    if type(structure).__module__.startswith("torch") and hasattr(structure, "detach"):
+        return structure.detach().cpu().numpy()  # A torch tensor (a DataLoader's batch).
     if hasattr(structure, "numpy") and callable(structure.numpy):  # tf.Tensor, strings too
         return np.asarray(structure.numpy())
     if hasattr(structure, "__array__") or isinstance(structure, (float, int, str, bytes)):
@@ -532,8 +536,18 @@ def is_grain_dataset(value: Any) -> bool:
     return False
 
 
+def is_torch_dataloader(value: Any) -> bool:
+    """A `torch.utils.data.DataLoader` (as Keras's torch trainer takes one), found by
+    module name so that keras_accel never imports torch for it."""
+    return any(
+        parent.__name__ == "DataLoader" and (parent.__module__ or "").startswith("torch.")
+        for parent in type(value).__mro__
+    )
+
+
 class IterableBatches:
-    """Batches of a Python generator (or a Grain data set), padded as they come.
+    """Batches of a Python generator (or a Grain data set, a torch DataLoader), padded as
+    they come.
 
     Only the first batch is read before training (for its size and structure). A generator
     is read on from where the last epoch stopped, as Keras reads one (with

@@ -1,0 +1,97 @@
+"""One process of a torch run (or the one-process reference): every input kind through
+`Accelerator.fit`, `evaluate` and `predict`. Usage: python _torch_inputs.py OUT.npz
+
+The same seeded model (Dense, BatchNormalization, Dense; SGD with momentum) trains on 45
+rows in global batches of 8 (the last batch holds 5 rows: padded, and uneven over 2
+processes) from arrays, a generator, a tf.data.Dataset, a PyDataset and a torch DataLoader,
+each from the same initial weights. Every process writes what it saw to OUT-<process>.npz.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import torch
+
+from keras_accel import Accelerator
+
+acc = Accelerator(seed=0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(45, 5)).astype("float32")
+y = rng.integers(0, 3, 45).astype("int32")
+BATCH = 8
+
+
+def compiled(model):
+    with acc.scope():
+        model.compile(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+with acc.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+start = [w.copy() for w in model.get_weights()]
+
+
+def generator():
+    for i in range(0, len(x), BATCH):
+        yield x[i : i + BATCH], y[i : i + BATCH]
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return -(-len(x) // BATCH)
+
+    def __getitem__(self, i):
+        return x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+
+def tf_dataset():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def loader():
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+inputs = {
+    "arrays": lambda: (x, y),
+    "generator": lambda: (generator(),),
+    "pydataset": lambda: (Batches(),),
+    "tfdata": lambda: (tf_dataset(),),
+    "dataloader": lambda: (loader(),),
+}
+out = {}
+for name, make in inputs.items():
+    model.set_weights(start)
+    compiled(model)  # A fresh optimizer for each input.
+    # A generator is read once: one epoch; the others two.
+    epochs = 1 if name == "generator" else 2
+    options = {"batch_size": BATCH, "shuffle": False} if name == "arrays" else {}
+    history = acc.fit(model, *make(), epochs=epochs, verbose=0, **options)
+    out[f"{name}/loss"] = np.asarray(history.history["loss"])
+    out[f"{name}/accuracy"] = np.asarray(history.history["accuracy"])
+    for i, w in enumerate(model.get_weights()):
+        out[f"{name}/w{i}"] = w
+    if name in ("arrays", "dataloader"):
+        evaluate = make() if name == "dataloader" else (x, y)
+        options = {"batch_size": 7} if name == "arrays" else {}
+        out[f"{name}/evaluate"] = np.asarray(acc.evaluate(model, *evaluate, verbose=0, **options))
+        out[f"{name}/predict"] = acc.predict(model, x, batch_size=7, verbose=0)
+out["recompiles"] = np.asarray(acc.num_recompiles)
+np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)
