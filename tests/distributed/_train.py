@@ -128,7 +128,7 @@ np.savez(
     loss=np.asarray(losses),
     evaluation=np.asarray(evaluation),
     predictions=predictions,
-    **{f"w{i}": np.asarray(v.value) for i, v in enumerate(model.weights)},
+    **{f"w{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.weights)},
 )
 if args.then_defaults:
     acc.fit(

@@ -282,8 +282,34 @@ class Runtime(runtime.Runtime):
         share = static_rows // self.num_replicas
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    def own_files(self, batches):
+        """This process's own files of a file-backed tf.data pipeline (`batches`), where
+        every process can read its own (`keras_accel.data.tfdata.ProcessFiles`), else None:
+        each process then reads the whole pipeline and keeps its rows of each global batch."""
+        from keras_accel.data import tfdata
+
+        own = tfdata.process_files(batches, self.num_replicas, self.rank)
+        return own if agree_all(own is not None) else None
+
+    def own_rows(self, source, num_replicas: int, remainder: str, training: bool):
+        """A batched Grain `MapDataset` that every process reads only its block of each
+        global batch of (`keras_accel.data.grain.process_share`), where every process can;
+        else None (each reads it all, and keeps its rows of each batch)."""
+        from keras_accel.data import grain
+
+        count = self.num_replicas
+        static_rows = grain.shared_static_rows(source, count, num_replicas, remainder)
+        if not agree_all(static_rows is not None):
+            return None
+        return grain.process_share(source, count, self.rank, num_replicas, remainder, training)
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         rows = self.process_rows(batches.plan.static_rows)
+        own = getattr(batches, "own_files", None)
+        if own is not None and carry_mask:
+            from keras_accel.data.grain import GrainPasses
+
+            return GrainPasses(own.with_preprocess(preprocess), carry_mask=True)
         if preprocess is not None:
             raise ValueError(
                 "On the torch backend keras_accel feeds numbers: a keras-hub preprocessor "
