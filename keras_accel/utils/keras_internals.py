@@ -482,6 +482,15 @@ def super_batch_iterator():
     return function
 
 
+def keras_scans_steps() -> bool:
+    """Whether Keras's own JAX trainer runs `steps_per_execution` > 1 steps in one compiled
+    scan (Keras 3.16: keras-team/keras#23527, which asks data adapters for stacked groups
+    through `super_batch_iterator`), rather than as a host loop of the one-step program
+    (Keras 3.15). Read from what that release added, not from the version string."""
+    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
+    return getattr(utils, "super_batch_iterator", None) is not None
+
+
 def tf_trainer_module():
     """The module whose `reduce_per_replica` Keras's TF step functions call: the module of
     the TF trainer class in `keras.Model.__mro__` (the class defining `make_train_function`;

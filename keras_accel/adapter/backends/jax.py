@@ -290,9 +290,23 @@ class Runtime(runtime.Runtime):
     def device_scope(self):
         return jax.default_device(_jax_device(self.plan.devices[0]))
 
+    def make_function(self, model, kind: str):
+        """N > 1 steps per call in one compiled program (`jax_groups.GroupedSteps`: a scan
+        over the group's batches) where Keras's own JAX trainer runs them as a host loop
+        (Keras before 3.16, which scans them itself); None: Keras's function."""
+        n = int(getattr(model, "steps_per_execution", 1) or 1)
+        if n == 1 or model.run_eagerly or not model.jit_compile:
+            return None
+        if keras_internals.keras_scans_steps():
+            return None
+        from keras_accel.adapter.backends.jax_groups import GroupedSteps
+
+        return GroupedSteps(model, kind)
+
     def reads_steps_per_execution(self, model, kind: str) -> bool:
-        """Keras's JAX step function for N > 1 reads N at each call (a Python loop over
-        one jitted step): one function serves every N > 1."""
+        """The step function for N > 1 reads N at each call (ours, `GroupedSteps`, runs any
+        N up to the largest it compiled; Keras's is a Python loop over one jitted step):
+        one function serves every N > 1."""
         return int(getattr(model, "steps_per_execution", 1) or 1) > 1
 
     def variable_misplaced(self, variable) -> str | None:

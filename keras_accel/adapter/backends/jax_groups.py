@@ -1,0 +1,136 @@
+"""Steps on the device (JAX): N steps of `fit`, `evaluate` or `predict` in one compiled program.
+
+Keras 3.15's JAX trainer runs `steps_per_execution = N` as a host loop: N dispatches of the
+one-step program, each with its Python and its host-device round trip. Here the N batches
+of a group go to one jitted program that stacks them and runs the model's own step over them
+with `jax.lax.scan`: the step is traced once, so the compile time does not grow with N, and
+the state (weights, optimizer, metrics, RNG seeds, BatchNormalization statistics) is carried
+from step to step on the device exactly as N calls would carry it.
+
+A group always has the program's length. A short group (the end of an epoch, an evaluation
+of fewer steps than N) is filled with references to its last batch, and a `valid` flag per
+slot says which are real: a filler slot's step is skipped (`lax.cond`), its state and logs
+are the previous slot's. The program is compiled for the largest N a call has asked for;
+smaller groups run in it, so a short group or a shorter evaluation compiles nothing.
+
+`scan_steps` is the one implementation: `Accelerator.fit`/`evaluate`/`predict` use it
+through `GroupedSteps` (Keras's `train_function(state, iterator)` contract), the custom
+loop's `StepGroup`s through `keras_accel.loop.backends.jax`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from keras import distribution as distribution_lib
+
+KINDS = ("train", "test", "predict")
+
+
+def scan_steps(step, outputs: bool = False, shapes_only=contextlib.nullcontext):
+    """`(state, stacked, valid) -> (last outputs, state)`, or `(every slot's outputs,
+    state)` with `outputs=True`, running `step(state, batch) -> (outputs, state)` over the
+    leading axis of `stacked` in one `lax.scan`; slots where `valid` is False leave the
+    state, and the carried outputs, as they were (their own outputs are zeros).
+
+    The step is traced twice: once for the shapes of its outputs (the scan's carry needs
+    them first), inside `shapes_only()`, and once as the scan's body."""
+
+    def run(state, stacked, valid):
+        first = jax.tree.map(lambda a: a[0], stacked)
+        with shapes_only():
+            shapes = jax.eval_shape(step, state, first)[0]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        def body(carry, slot):
+            state, last = carry
+            batch, ok = slot
+
+            def skip(state, batch):
+                return (zeros if outputs else last), state
+
+            result, state = jax.lax.cond(ok, step, skip, state, batch)
+            return (state, last if outputs else result), (result if outputs else None)
+
+        (state, last), every = jax.lax.scan(body, (state, zeros), (stacked, valid))
+        return (every if outputs else last), state
+
+    return run
+
+
+class GroupedSteps:
+    """A model's `train_function`, `test_function` or `predict_function` as Keras 3.15's
+    JAX trainer calls it, `function(state, iterator) -> (logs or outputs, state)`, running
+    the next `model.steps_per_execution` batches of `iterator` in one program.
+
+    The iterator's batches are placed on the devices already (Keras's JAX epoch iterator,
+    `keras_accel.data.ahead`); the program stacks them. Predictions come back as one batch
+    of every slot's rows, a filler slot's row mask all 0, so the Accelerator cuts them with
+    the padding. The step is the model's own (with the Accelerator's step wrapper), read at
+    trace time."""
+
+    def __init__(self, model, kind: str):
+        if kind not in KINDS:
+            raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+        self.model = model
+        self.kind = kind
+        self.length = 0  # The compiled program's group length.
+        self._compiled = None
+
+    def _step(self, state, data):
+        model = self.model
+        if self.kind == "train":
+            return model.train_step(state, data)
+        if self.kind == "test":
+            return model.test_step(state, data)
+        outputs, non_trainable = model.predict_step(state, data)
+        return outputs, (state[0], non_trainable)
+
+    def _program(self, state):
+        from keras_accel.adapter.guard import same_program
+
+        collect = self.kind == "predict"
+        # The shapes' trace is part of this program: the recompile guard counts one.
+        shapes_only = functools.partial(same_program, self.model)
+        scan = scan_steps(self._step, outputs=collect, shapes_only=shapes_only)
+
+        def program(state, batches, valid):
+            stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *batches)
+            result, state = scan(state, stacked, valid)
+            if collect:  # (n, rows, ...) -> (n * rows, ...): one batch of every slot's rows.
+                result = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), result)
+            return result, state
+
+        # Under a distribution the state comes back in the layout it went in (the next call
+        # compiles nothing), as Keras's own step does; on one device JAX keeps it where it
+        # is by itself (explicit shardings there would commit the arrays, and the second
+        # call, on committed ones, would compile again). It replaces its input: XLA may
+        # reuse the buffers.
+        layout = None
+        if distribution_lib.distribution() is not None:
+            layout = (None, jax.tree.map(_sharding, state))
+        return jax.jit(program, donate_argnums=0, out_shardings=layout)
+
+    def __call__(self, state, iterator):
+        n = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
+        batches = [next(iterator)]  # StopIteration here ends the epoch, as in Keras.
+        for _ in range(n - 1):
+            try:
+                batches.append(next(iterator))
+            except StopIteration:
+                break
+        if self._compiled is None or n > self.length:
+            self.length = n
+            self._compiled = self._program(state)
+        real = len(batches)
+        batches += [batches[-1]] * (self.length - real)
+        valid = np.arange(self.length) < real
+        return self._compiled(state, batches, valid)
+
+
+def _sharding(leaf):
+    return getattr(leaf, "sharding", None)
