@@ -538,7 +538,13 @@ class Accelerator:
         self, model, kind: str, steps, callbacks, verbose, validating=False, divides=None
     ) -> int:
         n, why = fusion.choose(
-            self.steps_per_execution, model, kind, steps, callbacks, validating=validating
+            self.steps_per_execution,
+            model,
+            kind,
+            steps,
+            callbacks,
+            validating=validating,
+            fuse_predictions=self._runtime.fuses_predictions(model),
         )
         chosen = why.startswith(("compile(", "Accelerator("))
         limit = self._runtime.max_steps_per_execution

@@ -83,7 +83,13 @@ def _keras_takes_fusion(callback) -> bool:
 
 
 def choose(
-    requested, model, kind: str, steps: int | None, callbacks, validating: bool = False
+    requested,
+    model,
+    kind: str,
+    steps: int | None,
+    callbacks,
+    validating: bool = False,
+    fuse_predictions: bool = False,
 ) -> tuple[int, str]:
     """`(N, why)`: the steps per host call for one fit/evaluate/predict of `model`.
 
@@ -94,6 +100,8 @@ def choose(
         callbacks: the user's callbacks for this call.
         validating: a fit with validation data, whose callbacks' test batch hooks run too
             (at the same N: Keras validates with the fit's `steps_per_execution`).
+        fuse_predictions: the backend runs a group of predictions in one program of one
+            shape (JAX's `GroupedSteps`), so "auto" fuses `predict` too.
     """
     compiled = _USERS.get(id(model), getattr(model, "steps_per_execution", 1))
     compiled = int(compiled or 1)
@@ -101,9 +109,9 @@ def choose(
         return compiled, f"compile(steps_per_execution={compiled})"
     if requested != AUTO:
         return requested, f"Accelerator(steps_per_execution={requested})"
-    if kind == "predict":
-        # Every batch's outputs come back to the host anyway; Keras's fused predict also
-        # concatenates them in a program whose shape changes with the last group.
+    if kind == "predict" and not fuse_predictions:
+        # Keras's fused predict concatenates the group's outputs in a program whose shape
+        # changes with the last group; JAX's scan returns every group in one shape.
         return 1, "auto: prediction runs one batch per host call"
     limit = max(1, min(AUTO_LIMIT, steps or AUTO_LIMIT))
     period = 0  # gcd(0, p) = p: no constraint yet.

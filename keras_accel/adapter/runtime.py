@@ -94,6 +94,11 @@ class Runtime:
         function serves every N > 1 (False: N is compiled in)."""
         return False
 
+    def fuses_predictions(self, model) -> bool:
+        """Whether N predictions per host call run in one program of one shape, so that
+        "auto" fusion takes `predict` too (JAX's on-device groups)."""
+        return False
+
     def row_count(self, row_mask):
         """A batch's real rows, the weight of its loss in the epoch's average."""
         return ops.sum(row_mask)

@@ -303,6 +303,14 @@ class Runtime(runtime.Runtime):
 
         return GroupedSteps(model, kind)
 
+    def fuses_predictions(self, model) -> bool:
+        """Our groups return every slot's predictions in one shape (`GroupedSteps`)."""
+        return (
+            not model.run_eagerly
+            and bool(model.jit_compile)
+            and not (keras_internals.keras_scans_steps())
+        )
+
     def reads_steps_per_execution(self, model, kind: str) -> bool:
         """The step function for N > 1 reads N at each call (ours, `GroupedSteps`, runs any
         N up to the largest it compiled; Keras's is a Python loop over one jitted step):
