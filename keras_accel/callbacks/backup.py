@@ -238,17 +238,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             backup_dir = os.path.abspath(backup_dir.removeprefix("file://"))
         self._engine_module = engines.engine_module(keras.backend.backend())
         if not self._engine_module.supports(backup_dir):
-            raise ValueError(
-                f"BackupAndRestore stores training state through "
-                f"{self._engine_module.NAME}, which cannot write {backup_dir!r}: it writes "
+            writes = getattr(self._engine_module, "WRITES", None) or (
                 "local paths and gs:// URLs"
                 + (
                     " (and the schemes tf.io.gfile has)"
                     if keras.backend.backend() == "tensorflow"
                     else ""
                 )
-                + f". Received: backup_dir={backup_dir!r}. Use a local directory or a gs:// "
-                "bucket."
+            )
+            raise ValueError(
+                f"BackupAndRestore stores training state through "
+                f"{self._engine_module.NAME}, which cannot write {backup_dir!r}: it writes "
+                f"{writes}. Received: backup_dir={backup_dir!r}. Use a local directory or a "
+                "gs:// bucket."
             )
         self.backup_dir = backup_dir
         self.save_freq = save_freq
@@ -797,10 +799,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         other = None
         if old:
             other = f"keras_accel 0.1's npz backups ({', '.join(old[:3])})"
-        elif self._engine_module.NAME == "tf.train" and any(name.isdigit() for name in listed):
+        elif self._engine_module.NAME != "orbax" and any(name.isdigit() for name in listed):
             other = "Orbax checkpoints (numbered directories: written on KERAS_BACKEND=jax)"
-        elif self._engine_module.NAME == "orbax" and "checkpoint" in listed:
+        elif self._engine_module.NAME != "tf.train" and "checkpoint" in listed:
             other = "tf.train checkpoints (written on KERAS_BACKEND=tensorflow)"
+        elif self._engine_module.NAME != "torch.distributed.checkpoint" and any(
+            name.startswith("dcp-") and name[4:].isdigit() for name in listed
+        ):
+            other = (
+                "torch.distributed.checkpoint checkpoints (dcp-<step> directories: written "
+                "on KERAS_BACKEND=torch)"
+            )
         if other:
             raise RuntimeError(
                 f"BackupAndRestore: backup_dir {self.backup_dir!r} holds {other}, which "

@@ -9,6 +9,7 @@ the model says which variables are missing, extra or reshaped.
 
 from __future__ import annotations
 
+import base64
 import random
 import re
 import warnings
@@ -256,10 +257,14 @@ def assign(state: dict[str, keras.Variable], values: dict[str, Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python's and NumPy's global generator states, as JSON-able data."""
+    """Python's and NumPy's global generator states, as JSON-able data; on torch, torch's
+    too (an unseeded Dropout draws its masks from torch's global generator there: Keras's
+    fast path, `torch.nn.functional.dropout`)."""
     version, internal, gauss_next = random.getstate()
     numpy_state = np.random.get_state(legacy=False)
+    extra = {"torch": _torch_rng_state()} if keras.backend.backend() == "torch" else {}
     return {
+        **extra,
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
         "numpy": {
             "bit_generator": numpy_state["bit_generator"],
@@ -271,8 +276,35 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def _torch_rng_state() -> dict[str, Any]:
+    """torch's CPU generator state (and each CUDA device's, once CUDA is in use), base64."""
+    import torch
+
+    def encode(tensor) -> str:
+        return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return {"cpu": encode(torch.get_rng_state()), "cuda": [encode(t) for t in cuda]}
+
+
+def _set_torch_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    def decode(text: str):
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(decode(state["cpu"]))
+    cuda = state.get("cuda") or []
+    # A resume onto another number of devices: those saved go to the first ones here.
+    if cuda and torch.cuda.is_available():
+        for device, text in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(decode(text), device)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of `rng_state`."""
+    """Inverse of `rng_state` (torch's state is set only on torch, where it was saved)."""
+    if "torch" in state and keras.backend.backend() == "torch":
+        _set_torch_rng_state(state["torch"])
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
     numpy_state = state["numpy"]

@@ -9,6 +9,12 @@
   asynchronously (`CheckpointOptions(experimental_enable_async_checkpoint=True)`). Orbax
   would first copy every TensorFlow variable into host numpy arrays, with no knowledge of
   the strategy; tf.train is TensorFlow's own engine.
+- torch: `torch.distributed.checkpoint` (DCP), what the torch field uses (torchtitan,
+  Lightning's `ModelParallelStrategy`): every process hands it the whole (replicated) state
+  and DCP spreads the writes over the processes, one key per writer; `.metadata`, written
+  last, commits; `dcp.async_save` writes in a thread with collectives on a gloo group of the
+  engine's own; each process restores by reading every value it needs itself, so a
+  checkpoint restores onto any number of processes (torch_dcp.py says more).
 
 An engine opened on a directory answers:
 
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 
-ENGINES = {"jax": "orbax", "tensorflow": "tf_train"}
+ENGINES = {"jax": "orbax", "tensorflow": "tf_train", "torch": "torch_dcp"}
 
 
 def engine_module(backend: str):
@@ -42,9 +48,10 @@ def engine_module(backend: str):
     name = ENGINES.get(backend)
     if name is None:
         raise NotImplementedError(
-            f"keras_accel stores training state through Orbax (KERAS_BACKEND=jax) or "
-            f"tf.train (KERAS_BACKEND=tensorflow). Received: KERAS_BACKEND={backend!r}. Use "
-            "one of those backends for BackupAndRestore."
+            f"keras_accel stores training state through Orbax (KERAS_BACKEND=jax), "
+            f"tf.train (KERAS_BACKEND=tensorflow) or torch.distributed.checkpoint "
+            f"(KERAS_BACKEND=torch). Received: KERAS_BACKEND={backend!r}. Use one of those "
+            "backends for BackupAndRestore."
         )
     return importlib.import_module(f"keras_accel.state.engines.{name}")
 

@@ -1,0 +1,276 @@
+"""torch.distributed.checkpoint (DCP) on torch: what the torch field checkpoints with.
+
+Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files (one
+`__<rank>_0.distcp` per process that wrote data, and `.metadata`) and the JSON record
+`meta.json`.
+
+- **Who writes what.** Every process hands DCP the whole state (data parallelism keeps every
+  variable replicated). DCP's planner finds the same keys in every process's plan and keeps
+  each key in one plan only, the one with the fewest bytes so far (`dedup_save_plans`): the
+  writes are spread over the processes, each writing its `__<rank>_0.distcp`, not all done
+  by one. The chief (DCP's coordinator, rank 0) writes `meta.json` before the save and
+  `.metadata`, DCP's index of where each key lies, after every process has written its
+  share. The directory must therefore be one that every process sees (a shared file system
+  or a bucket), as Orbax's must.
+- **Atomic commit.** DCP writes `.metadata` last, to a temporary name that is fsynced and
+  renamed: a checkpoint is committed when its `.metadata` exists, and only those are listed
+  by `steps()`. A process killed while writing leaves a `dcp-N` without it: found when an
+  engine opens the directory (`interrupted`) and removed by the chief. Deleting a
+  checkpoint removes its `.metadata` first, so a deletion that a kill interrupts leaves no
+  checkpoint that looks complete.
+- **Asynchronous save** (`dcp.async_save`, in a thread): the state is copied into host
+  memory first (DCP's stager copies every tensor, CPU ones too, so training may change the
+  variables at once), and the files are written in the background. Its collectives (DCP
+  agrees on the plan, then on the end of the writes) run on a gloo process group of the
+  engine's own, never on the one training uses: two threads' collectives on one group
+  would pair up wrongly. That group also makes it work where training runs on NCCL.
+- **Restore onto any process count.** Each process reads every value it restores itself
+  (`dcp.load(..., no_dist=True)`): from the files of any number of writers, into any number
+  of readers, with no collective that a process could miss.
+- **Paths.** Local paths, and URLs of the file systems fsspec has (DCP's `FsspecWriter`):
+  `gs://` with gcsfs, `s3://` with s3fs, `memory://`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from keras_accel.state import files
+from keras_accel.utils import process
+
+NAME = "torch.distributed.checkpoint"
+WRITES = "local paths and URLs of the file systems fsspec has (gs:// with gcsfs, s3:// with s3fs)"
+PREFIX = "dcp-"
+META = "meta.json"
+COMMIT = ".metadata"  # DCP's own index, written last by the coordinator.
+_NUMBER = re.compile(rf"^{PREFIX}(\d+)$")
+# A process that never reaches a save's collectives (killed, hung) fails the others after
+# this long instead of holding them for ever; longer than writing any state a host holds.
+TIMEOUT_S = 1800.0
+
+
+# DCP warns at every save and load without a process group that it assumes one process;
+# here that is the intent (one process, or each process reading for itself). Only that
+# message is silenced; the save thread's warnings go through the global filters.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
+
+
+def supports(path: str) -> bool:
+    kind = files.scheme(path)
+    if kind in ("", "file"):
+        return True
+    import fsspec
+
+    return kind in fsspec.available_protocols()
+
+
+class Engine:
+    name = NAME
+
+    def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
+        self.directory = files.local_path(directory)
+        self.max_to_keep = max_to_keep
+        self.asynchronous = asynchronous
+        self._group = None  # The engine's own gloo group, made at the first collective call.
+        self._pending = None  # (step, future) of the save in flight.
+        # Saves a kill interrupted: a `dcp-N` without its `.metadata`. The chief removes them.
+        self.interrupted = sorted(step for step, done in self._listed().items() if not done)
+        if self.interrupted and process.is_chief():
+            for step in self.interrupted:
+                _remove_tree(self.path(step))
+
+    # ------------------------------------------------------------------ the process group
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _dist(self) -> dict:
+        """DCP's process arguments: one process saves alone (no collectives); several agree
+        on their plans over the engine's own group."""
+        if not self._distributed():
+            return {"no_dist": True}
+        if self._group is None:
+            # Collective over the default group: every process calls save, delete_all and
+            # close in the same order, and the first of them makes it.
+            self._group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S)
+            )
+        return {"process_group": self._group}
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, variables: dict, meta: dict) -> None:
+        self.wait()  # One save in flight at a time; the previous one is committed first.
+        path = self.path(step)
+        if process.is_chief():
+            files.makedirs(path)
+            # Before DCP's commit, which the chief writes after every process's share.
+            files.write_atomic(files.join(path, META), json.dumps(meta))
+        state = {key: _tensor(variable) for key, variable in variables.items()}
+        kwargs = {"storage_writer": _writer(path), **self._dist()}
+        if self.asynchronous:
+            self._pending = (step, dcp.async_save(state, **kwargs))
+            return
+        try:
+            dcp.save(state, **kwargs)
+        except BaseException:
+            self._failed(step)
+            raise
+        self._committed()
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, future = pending
+        try:
+            future.result()
+        except BaseException:
+            self._failed(step)
+            raise
+        self._committed()
+
+    def _failed(self, step: int) -> None:
+        # A save that raised never committed: its files are no checkpoint.
+        if process.is_chief():
+            _remove_tree(self.path(step))
+
+    def _committed(self) -> None:
+        """Rotation, once the newest save is committed: the chief removes the oldest
+        checkpoints beyond `max_to_keep`."""
+        if not process.is_chief():
+            return
+        steps = self._steps()
+        for step in steps[: max(0, len(steps) - self.max_to_keep)]:
+            self._delete(step)
+
+    # ------------------------------------------------------------------ reading
+    def path(self, step: int) -> str:
+        return files.join(self.directory, f"{PREFIX}{int(step)}")
+
+    def files(self, step: int) -> tuple[str, str]:
+        """(the largest data file, the JSON record) of checkpoint `step`, for Keras's
+        `_weights_path` and `_training_metadata_path`."""
+        path = self.path(step)
+        try:
+            data = sorted(name for name in files.listdir(path) if name.endswith(".distcp"))
+        except (FileNotFoundError, NotADirectoryError):
+            data = []
+        if data and not files.is_remote(path):
+            data.sort(key=lambda name: os.path.getsize(os.path.join(path, name)), reverse=True)
+        return (files.join(path, data[0]) if data else path), files.join(path, META)
+
+    def _listed(self) -> dict[int, bool]:
+        """{step: committed} for every `dcp-N` in the directory."""
+        try:
+            names = files.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found = {}
+        for name in names:
+            match = _NUMBER.match(name)
+            if match:
+                step = int(match.group(1))
+                found[step] = files.exists(files.join(self.path(step), COMMIT))
+        return found
+
+    def _steps(self) -> list[int]:
+        return sorted(step for step, done in self._listed().items() if done)
+
+    def steps(self) -> list[int]:
+        self.wait()  # A save in flight is listed once committed.
+        return self._steps()
+
+    def has(self, step: int) -> bool:
+        return step in self.steps()
+
+    def read_meta(self, step: int) -> dict:
+        return json.loads(files.read_text(files.join(self.path(step), META)))
+
+    def restore(self, step: int, variables: dict, manifest: dict) -> None:
+        """Assign checkpoint `step`'s values to `variables`. Each process reads what it
+        restores itself (no collective): any number of writers, any number of readers.
+        Saved values not asked for (a partial restore) are not read."""
+        targets = {
+            key: torch.empty(tuple(variable.shape), dtype=_tensor(variable).dtype)
+            for key, variable in variables.items()
+        }
+        dcp.load(targets, storage_reader=_reader(self.path(step)), no_dist=True)
+        for key, variable in variables.items():
+            variable.assign(targets[key])
+
+    # ------------------------------------------------------------------ deleting
+    def _delete(self, step: int) -> None:
+        path = self.path(step)
+        commit = files.join(path, COMMIT)
+        if files.exists(commit):
+            files.remove(commit)  # No longer listed, whatever happens next.
+        _remove_tree(path)
+
+    def delete(self, step: int) -> None:
+        """Every process calls this; the chief deletes."""
+        if process.is_chief():
+            self._delete(step)
+
+    def delete_all(self) -> None:
+        """Every process calls this; the chief deletes, and every process returns once it
+        has (a barrier of the engine's group, which fails after TIMEOUT_S naming the
+        processes that never came)."""
+        self.wait()
+        if process.is_chief():
+            for step in sorted(self._listed()):
+                self._delete(step)
+        if self._distributed():
+            self._dist()
+            dist.monitored_barrier(
+                group=self._group,
+                timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                wait_all_ranks=True,
+            )
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            group, self._group = self._group, None
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+
+
+def _tensor(variable) -> torch.Tensor:
+    value = variable.value
+    if not isinstance(value, torch.Tensor):  # pragma: no cover - a Keras change
+        value = torch.as_tensor(variable.numpy())
+    return value.detach()
+
+
+def _writer(path: str):
+    if files.is_remote(path):
+        # DCP's fsspec storage is not exported by torch.distributed.checkpoint (2.13): its
+        # module is named as torch's own tests and torchtitan import it.
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    return dcp.FileSystemWriter(path)
+
+
+def _reader(path: str):
+    if files.is_remote(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
+
+
+def _remove_tree(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # Gone already (another cleanup, a rename).
+        files.rmtree(path)
