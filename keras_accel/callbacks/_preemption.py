@@ -10,6 +10,9 @@ training-batch end, answers True on all of them at the same call once any was to
   arrives;
 - TensorFlow under a multi-worker strategy: a SIGTERM handler sets a flag, and the workers
   add their flags in one small all-reduce per call;
+- torch with a process group: the same, the flags added in one small all-reduce of the
+  process group per call (`keras_accel.adapter.backends.torch.agree_all`, on the thread that
+  trains: the backup engine's background collectives use a group of their own);
 - one process: a SIGTERM handler and its flag.
 
 A handler installed here is removed when the watch closes (Python's own comes back). When
@@ -70,6 +73,8 @@ class Watch:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         if self.backend == "tensorflow" and process.num_processes() > 1:
             self._reduce = _tf_any(model)
+        if self.backend == "torch" and process.num_processes() > 1:
+            self._reduce = _torch_any
 
     def _on_signal(self, signum, frame) -> None:
         if self._fit_frame is None or _on_stack(self._fit_frame, frame):
@@ -143,3 +148,10 @@ def _tf_any(model):
         return bool(total(tf.constant(1.0 if flag else 0.0)).numpy() > 0)
 
     return any_set
+
+
+def _torch_any(flag: bool) -> bool:
+    """Whether any process's flag is set: one all-reduce of the process group."""
+    from keras_accel.adapter.backends.torch import agree_all
+
+    return not agree_all(not flag)

@@ -8,6 +8,10 @@ run in the same process.
 import json
 import os
 import pathlib
+import signal
+import socket
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -18,6 +22,7 @@ from keras_accel.callbacks import (
     History,
     LearningRateScheduler,
     ModelCheckpoint,
+    Preempted,
 )
 from tests.helpers import compiled_mlp, data, weights_of
 
@@ -163,3 +168,76 @@ def test_history_model_checkpoint_and_learning_rate_scheduler(tmp_path):
         np.testing.assert_array_equal(a, b)
     best = keras.saving.load_model(str(tmp_path / "best.keras"))
     assert [w.shape for w in best.get_weights()] == [w.shape for w in model.get_weights()]
+
+
+# ---------------------------------------------------------------------- 2 real processes
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _preempted_process(rank: int, port: int, backup_dir: str) -> None:
+    """One of 2 gloo processes, each training the same plain `model.fit`; only process 1
+    is sent SIGTERM (after its batch 2). Both must save one backup at the same step and
+    stop with exit code 143."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from keras_accel.state.engines import torch_dcp
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch_dcp.TIMEOUT_S = 30.0  # A process saving alone fails soon instead of hanging.
+
+    class TermAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and batch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    model = _model()
+    try:
+        _fit(_plain, model, [TermAt(), BackupAndRestore(backup_dir, save_freq=False)])
+    except Preempted:
+        print(f"preempted after {int(model.optimizer.iterations.numpy())} steps", flush=True)
+        raise
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_backup(tmp_path):
+    """The preemption flag is agreed over the process group at every batch end: a SIGTERM
+    that reaches one process only still makes every process save the same step (the save
+    is collective), then stop with 143."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backup_dir = tmp_path / "backup"
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "preempted", str(rank), str(port), str(backup_dir)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    for rank, (p, output) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 143, f"process {rank} ({p.returncode}):\n{output[-3000:]}"
+        assert "preempted after 3 steps" in output, output[-3000:]
+    assert "SIGTERM (preemption) reached every process" in outputs[0]
+    assert sorted(os.listdir(backup_dir / "dcp-3")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.json",
+    ]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["preempted"]:
+    _preempted_process(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
