@@ -30,13 +30,12 @@ class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
         """What Keras's JAX trainer asks `get_jax_iterator(super_batch=N)` for: from Keras
         3.16 on, with `steps_per_execution=N` > 1 it runs N steps in one compiled scan over
         N batches stacked on a new leading axis (the last, short group as a list). Stacked
-        here with Keras's own function, as its PyDataset adapter does; earlier Keras passes
-        nothing and gets the batches one by one."""
+        here with Keras's own function, as its PyDataset adapter does, but numpy batches on
+        the host (one transfer per group; `jnp.stack` converts each batch on its own); earlier
+        Keras passes nothing and gets the batches one by one."""
         if not super_batch:
             return iterator
-        import jax.numpy as jnp
-
-        return keras_internals.super_batch_iterator()(iterator, super_batch, stack_fn=jnp.stack)
+        return keras_internals.super_batch_iterator()(iterator, super_batch, stack_fn=_stack)
 
     @property
     def batch_size(self):
@@ -49,3 +48,15 @@ class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
     @property
     def partial_batch_size(self):
         return None
+
+
+def _stack(leaves):
+    """Batches' leaves on a new leading axis: numpy where they are numpy, else on the
+    devices where they lie."""
+    import numpy as np
+
+    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return np.stack(leaves)
+    import jax.numpy as jnp
+
+    return jnp.stack(leaves)

@@ -491,6 +491,14 @@ def keras_scans_steps() -> bool:
     return getattr(utils, "super_batch_iterator", None) is not None
 
 
+def is_partial_batch_list(item) -> bool:
+    """Whether `item` is Keras 3.16's `PartialBatchList`: the batches of a short last group,
+    which its JAX epoch iterator yields as a list where full groups come stacked."""
+    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
+    kind = getattr(utils, "PartialBatchList", None)
+    return kind is not None and isinstance(item, kind)
+
+
 def tf_trainer_module():
     """The module whose `reduce_per_replica` Keras's TF step functions call: the module of
     the TF trainer class in `keras.Model.__mro__` (the class defining `make_train_function`;

@@ -85,13 +85,11 @@ def test_short_groups_and_shorter_calls_compile_nothing_more(runs):
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's on-device groups")
 def test_jax_runs_a_group_as_one_program(monkeypatch):
-    """Under Keras 3.15 the group is a scan of ours (Keras runs a host loop of N dispatches);
-    predictions are fused on "auto" too, each group in one shape."""
+    """A group is a scan of ours (Keras 3.15 runs a host loop of N dispatches, 3.16 a scan
+    of full groups and single steps for a short one); predictions are fused on "auto" too,
+    each group in one shape."""
     from keras_accel.adapter.backends import jax_groups
-    from keras_accel.utils import keras_internals
 
-    if keras_internals.keras_scans_steps():
-        pytest.skip("this Keras scans steps itself")
     calls = []
     original = jax_groups.GroupedSteps.__call__
 

@@ -292,12 +292,11 @@ class Runtime(runtime.Runtime):
 
     def make_function(self, model, kind: str):
         """N > 1 steps per call in one compiled program (`jax_groups.GroupedSteps`: a scan
-        over the group's batches) where Keras's own JAX trainer runs them as a host loop
-        (Keras before 3.16, which scans them itself); None: Keras's function."""
+        over the group's batches). Keras 3.15 runs them as a host loop; 3.16 scans full
+        groups itself and unrolls a short last one into single steps (another program): ours
+        runs every group, short ones too, in one program. None: Keras's function."""
         n = int(getattr(model, "steps_per_execution", 1) or 1)
         if n == 1 or model.run_eagerly or not model.jit_compile:
-            return None
-        if keras_internals.keras_scans_steps():
             return None
         from keras_accel.adapter.backends.jax_groups import GroupedSteps
 
@@ -305,11 +304,7 @@ class Runtime(runtime.Runtime):
 
     def fuses_predictions(self, model) -> bool:
         """Our groups return every slot's predictions in one shape (`GroupedSteps`)."""
-        return (
-            not model.run_eagerly
-            and bool(model.jit_compile)
-            and not (keras_internals.keras_scans_steps())
-        )
+        return not model.run_eagerly and bool(model.jit_compile)
 
     def reads_steps_per_execution(self, model, kind: str) -> bool:
         """The step function for N > 1 reads N at each call (ours, `GroupedSteps`, runs any
@@ -411,14 +406,21 @@ class Runtime(runtime.Runtime):
             isinstance(batches, ArrayBatches) and preprocess is None
         ):
             dataset = StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
-            if not carry_mask or rows is not None or self._one_cpu_device():
-                # `Accelerator.dataset` (a PyDataset, as it says); this process's rows of each
-                # batch, which Keras assembles into the global batch as it places them; or one
-                # CPU device, where Keras looks ahead neither (measured: about 5% slower with
-                # the look-ahead there, docs/benchmarks.md).
-                return dataset
             from keras_accel.data.ahead import OneBatchAhead
 
+            if not carry_mask or rows is not None:
+                # `Accelerator.dataset` (a PyDataset, as it says); this process's rows of each
+                # batch, which Keras assembles into the global batch as it places them.
+                return dataset
+            if self._one_cpu_device():
+                # One CPU device, where Keras looks ahead neither (measured: about 5% slower
+                # with the look-ahead there, docs/benchmarks.md). Keras 3.16 stacks a
+                # PyDataset's groups with `jnp.stack`, one conversion per numpy batch
+                # (measured: 3/5 of an epoch of the small model at batch 64); our adapter
+                # stacks them on the host, as they are.
+                if keras_internals.keras_scans_steps():
+                    return OneBatchAhead(dataset, _as_it_is)
+                return dataset
             return OneBatchAhead(dataset, self.place_batch)
         # tf.data inputs, and keras-hub preprocessing (which runs in tf.data, as keras-hub's
         # own fit does on JAX): Keras's JAX trainer reads tf.data batches as numpy.
@@ -429,6 +431,10 @@ class Runtime(runtime.Runtime):
         else:
             pipeline = batches.pipeline(carry_mask, preprocess)
         return pipeline if rows is None else tfdata.take_rows(pipeline, rows)
+
+
+def _as_it_is(batch):
+    return batch
 
 
 def agree_all(flag: bool) -> bool:

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from keras import distribution as distribution_lib
 
+from keras_accel.utils import keras_internals
+
 KINDS = ("train", "test", "predict")
 
 
@@ -80,6 +82,8 @@ class GroupedSteps:
         self.kind = kind
         self.length = 0  # The compiled program's group length.
         self._compiled = None
+        # Keras 3.16's JAX epoch iterator yields each group stacked (its super batches).
+        self.super_batches = keras_internals.keras_scans_steps()
 
     def _step(self, state, data):
         model = self.model
@@ -98,8 +102,7 @@ class GroupedSteps:
         shapes_only = functools.partial(same_program, self.model)
         scan = scan_steps(self._step, outputs=collect, shapes_only=shapes_only)
 
-        def program(state, batches, valid):
-            stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *batches)
+        def program(state, stacked, valid):
             result, state = scan(state, stacked, valid)
             if collect:  # (n, rows, ...) -> (n * rows, ...): one batch of every slot's rows.
                 result = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), result)
@@ -117,19 +120,51 @@ class GroupedSteps:
 
     def __call__(self, state, iterator):
         n = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
-        batches = [next(iterator)]  # StopIteration here ends the epoch, as in Keras.
-        for _ in range(n - 1):
-            try:
-                batches.append(next(iterator))
-            except StopIteration:
-                break
-        if self._compiled is None or n > self.length:
-            self.length = n
+        first = next(iterator)  # StopIteration here ends the epoch, as in Keras.
+        if self.super_batches and not keras_internals.is_partial_batch_list(first):
+            # Keras 3.16 stacks the group itself (`super_batch_iterator`) and places it.
+            stacked, real = first, _leading(first)
+        else:
+            # Keras 3.15 hands the iterator of single batches; 3.16 a short last group's.
+            batches = list(first) if self.super_batches else [first]
+            while len(batches) < n and not self.super_batches:
+                try:
+                    batches.append(next(iterator))
+                except StopIteration:
+                    break
+            stacked, real = _stack(batches), len(batches)
+        if self._compiled is None or max(n, real) > self.length:
+            self.length = max(n, real)
             self._compiled = self._program(state)
-        real = len(batches)
-        batches += [batches[-1]] * (self.length - real)
+        if real < self.length:  # Empty slots: copies of the last batch, skipped.
+            stacked = jax.tree.map(lambda a: _fill(a, self.length), stacked)
         valid = np.arange(self.length) < real
-        return self._compiled(state, batches, valid)
+        return self._compiled(state, stacked, valid)
+
+
+def _leading(stacked) -> int:
+    return int(jax.tree.leaves(stacked)[0].shape[0])
+
+
+def _stack(batches: list):
+    """One array per leaf with the batches on a new leading axis: numpy on the host where
+    the batches are numpy (one transfer into the program), else on the devices, where the
+    batches lie (their batch axis keeps its layout, now axis 1)."""
+
+    def stack(*leaves):
+        if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+            return np.stack(leaves)
+        return jnp.stack(leaves)
+
+    return jax.tree.map(stack, *batches)
+
+
+def _fill(leaf, length: int):
+    missing = length - leaf.shape[0]
+    filler = leaf[-1:]
+    if isinstance(leaf, np.ndarray):
+        return np.concatenate([leaf, np.repeat(filler, missing, axis=0)])
+    return jnp.concatenate([leaf, jnp.repeat(filler, missing, axis=0)])
 
 
 def _sharding(leaf):
