@@ -3,11 +3,11 @@
 Usage: python _resume_script.py WORKDIR RUN_NAME [KILL_AT] [OPTION=VALUE ...]
 
 Trains a small seeded model (Dense, BatchNormalization, Dropout; SGD with momentum) through
-`Accelerator.fit` on 8 virtual CPU devices with BackupAndRestore (save_freq in steps),
-History(path, per_step=True) and a step-mode LearningRateScheduler. With KILL_AT="E:B" the
-process SIGKILLs itself at the end of batch B of epoch E (after the callbacks ran, so a
-backup of the batches before may exist). At the end it writes the final weights to
-WORKDIR/RUN_NAME.weights.npz.
+`Accelerator.fit` on 8 virtual CPU devices (one device on torch) with BackupAndRestore
+(save_freq in steps), History(path, per_step=True) and a step-mode LearningRateScheduler.
+With KILL_AT="E:B" the process SIGKILLs itself at the end of batch B of epoch E (after the
+callbacks ran, so a backup of the batches before may exist). At the end it writes the final
+weights to WORKDIR/RUN_NAME.weights.npz.
 
 Options:
 - `named=enc,bn,drop,head`: the same layers as a functional model of named layers, created
@@ -29,7 +29,8 @@ import numpy as np
 
 import keras_accel
 
-keras_accel.configure_virtual_cpu_devices(8)
+# On torch one process is one device (the test's torch run compares one process with one).
+keras_accel.configure_virtual_cpu_devices(1 if os.environ.get("KERAS_BACKEND") == "torch" else 8)
 
 import keras  # noqa: E402
 
