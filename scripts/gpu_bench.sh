@@ -20,6 +20,9 @@
 #   TIMEOUT=600                   seconds per configuration before it is killed
 #   FLOPS_FROM=hlo                XLA cost analysis of the unoptimized step (no extra compile)
 #   FIND_BATCH_SIZE=0             1: also find the largest CNN bfloat16 batch that fits
+#   GROUPS=1                      0: skip the small-batch rows with and without on-device
+#                                 step groups (benchmarks/fusion.py: plain model.fit, Keras's
+#                                 steps_per_execution=32, acc.fit "auto")
 #
 # Every configuration runs in its own process, so an out-of-memory error is an "OOM" row and
 # the sweep goes on. Each (model, precision) writes its files as soon as it finishes: a run
@@ -32,7 +35,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h | --help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument '$arg'. Valid: --dry-run, --help." >&2; exit 2 ;;
   esac
 done
@@ -53,6 +56,7 @@ EPOCHS=${EPOCHS:-4}
 TIMEOUT=${TIMEOUT:-600}
 FLOPS_FROM=${FLOPS_FROM:-hlo}
 FIND_BATCH_SIZE=${FIND_BATCH_SIZE:-0}
+GROUPS=${GROUPS:-1}
 
 say() { echo "gpu_bench: $*" >&2; }
 run() {
@@ -142,6 +146,18 @@ if [ "$FIND_BATCH_SIZE" = 1 ]; then
   if [ "$DRY_RUN" -eq 0 ]; then
     "${command[@]}" > "$OUT/find_cnn_bfloat16.md" 2> "$OUT/find_cnn_bfloat16.log" || status=1
     cat "$OUT/find_cnn_bfloat16.md"
+  fi
+fi
+# ---------------------------------------------------------------- 4. small batches, grouped
+# Where the seed found the device idle between steps: one host call per step against N steps
+# in one compiled program (docs/accelerator.md, "Host-loop fusion").
+if [ "$GROUPS" = 1 ]; then
+  command=("$PYTHON" benchmarks/fusion.py --backends jax --cases dense@64,mlp@256 --rounds 3
+    --json "$OUT/groups.json")
+  echo "+ ${command[*]} > $OUT/groups.md 2> $OUT/groups.log" >&2
+  if [ "$DRY_RUN" -eq 0 ]; then
+    "${command[@]}" > "$OUT/groups.md" 2> "$OUT/groups.log" || status=1
+    cat "$OUT/groups.md"
   fi
 fi
 say "done (status $status); files in $OUT"
