@@ -20,7 +20,7 @@
 #   TIMEOUT=600                   seconds per configuration before it is killed
 #   FLOPS_FROM=hlo                XLA cost analysis of the unoptimized step (no extra compile)
 #   FIND_BATCH_SIZE=0             1: also find the largest CNN bfloat16 batch that fits
-#   GROUPS=1                      0: skip the small-batch rows with and without on-device
+#   STEP_GROUPS=1                 0: skip the small-batch rows with and without on-device
 #                                 step groups (benchmarks/fusion.py: plain model.fit, Keras's
 #                                 steps_per_execution=32, acc.fit "auto")
 #
@@ -56,7 +56,7 @@ EPOCHS=${EPOCHS:-4}
 TIMEOUT=${TIMEOUT:-600}
 FLOPS_FROM=${FLOPS_FROM:-hlo}
 FIND_BATCH_SIZE=${FIND_BATCH_SIZE:-0}
-GROUPS=${GROUPS:-1}
+STEP_GROUPS=${STEP_GROUPS:-1}
 
 say() { echo "gpu_bench: $*" >&2; }
 run() {
@@ -151,7 +151,7 @@ fi
 # ---------------------------------------------------------------- 4. small batches, grouped
 # Where the seed found the device idle between steps: one host call per step against N steps
 # in one compiled program (docs/accelerator.md, "Host-loop fusion").
-if [ "$GROUPS" = 1 ]; then
+if [ "$STEP_GROUPS" = 1 ]; then
   command=("$PYTHON" benchmarks/fusion.py --backends jax --cases dense@64,mlp@256 --rounds 3
     --json "$OUT/groups.json")
   echo "+ ${command[*]} > $OUT/groups.md 2> $OUT/groups.log" >&2
