@@ -267,18 +267,12 @@ def test_sparse_inputs_are_densified_and_ragged_ones_refused_with_what_works(bac
     def batches():  # tf.SparseTensor batches from a generator (on TF: read in tf.data's thread)
         return ((tf.sparse.from_dense(dense[i : i + 4]), y[i : i + 4]) for i in range(0, 10, 4))
 
-    if backend == "jax":
-        # On TensorFlow a generator over 2 replicas (Keras's own route, tf.data from the
-        # generator) ended about 1e-3 off plain Keras in about half the runs, fit and
-        # evaluate, with dense batches too, and exact over 4 or 8 replicas (4 December
-        # 2026): a fault of that route, not of sparse inputs, open in the note.
-        acc.fit(model, batches(), verbose=0)
-        twin.fit(dense, y, batch_size=4, shuffle=False, verbose=0)
-        assert_weights_close(model.get_weights(), twin.get_weights())
+    acc.fit(model, batches(), verbose=0)
+    twin.fit(dense, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
     expected = twin.evaluate(dense, y, batch_size=4, verbose=0, return_dict=True)
-    if backend == "jax":
-        logs = acc.evaluate(model, batches(), verbose=0, return_dict=True)
-        assert logs == pytest.approx(expected)
+    logs = acc.evaluate(model, batches(), verbose=0, return_dict=True)
+    assert logs == pytest.approx(expected)
     sparse_x = tf.sparse.from_dense(dense)
     if backend == "jax":
         from jax.experimental import sparse as jax_sparse

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
 
 ROWS, BATCH = 43, 16  # 3 batches a pass, the last with 11 real rows.
 X, Y = data(ROWS)
@@ -254,6 +254,52 @@ def test_endless_generator_with_steps_per_epoch():
     want = twin.fit(_endless(X, Y), epochs=2, steps_per_epoch=4, verbose=0)
     _losses_close(got, want)
     assert_weights_close(model.get_weights(), twin.get_weights())
+
+
+def _aligned(array, alignment=64):
+    """A copy of `array` whose rows start at a multiple of `alignment` bytes."""
+    raw = np.empty(array.nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def test_batches_read_in_python_leave_the_users_arrays_as_they_were():
+    # A generator's or a PyDataset's batches here are views of the user's arrays (a full
+    # batch needs no padding: 4 rows over FEW_REPLICAS), each 64-byte aligned. On
+    # TensorFlow, tf.data makes such a numpy batch a tensor over the array's own memory, and
+    # a step's ops may write their results into a tensor that nothing else holds: over 2
+    # replicas with fused steps, mean squared error wrote (pred - y)**2 into the rows of y
+    # that replica 0 read (4 December 2026), so the next epoch, and plain Keras on the same
+    # arrays, read other targets. Where an array lies is up to the allocator: unaligned
+    # arrays are copied, hence "about half the runs" before the alignment was pinned here.
+    rng = np.random.default_rng(0)
+    x0 = rng.normal(size=(12, 4)).astype("float32")
+    y0 = rng.normal(size=(12, 4)).astype("float32")
+    x, y = _aligned(x0), _aligned(y0)
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def generator(passes=1):
+        return ((x[i : i + 4], y[i : i + 4]) for _ in range(passes) for i in range(0, 12, 4))
+
+    acc = Accelerator(devices=FEW_REPLICAS, steps_per_execution=3)
+    with acc.scope():
+        model = build()
+    twin = build()
+    twin.set_weights(model.get_weights())
+    acc.fit(model, generator(passes=2), epochs=2, steps_per_epoch=3, verbose=0)
+    twin.fit(x0, y0, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), twin.get_weights())
+    want = twin.evaluate(x0, y0, batch_size=12, verbose=0)
+    for source in [generator(), Batches(x, y, 4), generator()]:
+        np.testing.assert_allclose(acc.evaluate(model, source, verbose=0), want, rtol=1e-5)
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(y, y0)
 
 
 # ------------------------------------------------------------------ PyDataset

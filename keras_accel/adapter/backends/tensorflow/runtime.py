@@ -277,7 +277,7 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
 
     def get_tf_dataset(self):
         if self._distributed is None:  # Once, as Keras's TF epoch iterator asks once.
-            pipeline = self.adapter.get_tf_dataset()
+            pipeline = _owned(self.adapter.get_tf_dataset())
             distributed = self.strategy.experimental_distribute_dataset(pipeline)
             self._distributed = Distributed(distributed)
         return self._distributed
@@ -298,6 +298,27 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     @property
     def batch_size(self):
         return self.adapter.batch_size
+
+
+def _owned(pipeline):
+    """`pipeline` with every tensor copied into memory of its own.
+
+    Keras's generator and PyDataset adapters read their numpy batches through
+    `tf.data.Dataset.from_generator`, which makes an array whose data is 64-byte aligned a
+    tensor over the array's own memory, not a copy. The step's ops may then write their
+    results into that buffer (TensorFlow reuses an input's buffer that nothing else holds):
+    over 2 replicas with fused steps, mean squared error wrote (pred - y)**2 into the rows of
+    the user's y that replica 0 read (measured on TensorFlow 2.21; whether an array is
+    aligned is up to the allocator, hence about half the runs): the user's arrays changed,
+    and whatever read them next (a later epoch, plain Keras) read other values. Here every
+    batch is the step's own: one copy of each, on the host, before it is split."""
+
+    def copy(value):
+        return tf.raw_ops.DeepCopy(x=value) if isinstance(value, tf.Tensor) else value
+
+    if isinstance(pipeline.element_spec, tuple):  # tf.data passes a tuple's parts apart.
+        return pipeline.map(lambda *parts: tf.nest.map_structure(copy, parts))
+    return pipeline.map(lambda element: tf.nest.map_structure(copy, element))
 
 
 class DistributedBatches(PaddedBatchesAdapter):
