@@ -14,7 +14,21 @@ import numpy as np
 import torch
 
 from keras_accel import Accelerator
+from keras_accel.adapter.backends import torch as torch_backend
 
+# Small buckets, so that the backward pass sends several while it goes on (the default 25
+# MiB holds this whole model); each sent bucket is counted.
+torch_backend.BUCKET_BYTES = 64
+SENT = [0]
+_send = torch_backend.GradientBuckets._send
+
+
+def _counted(self, index):
+    SENT[0] += 1
+    return _send(self, index)
+
+
+torch_backend.GradientBuckets._send = _counted
 acc = Accelerator(seed=0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(45, 5)).astype("float32")
@@ -94,4 +108,5 @@ for name, make in inputs.items():
         out[f"{name}/evaluate"] = np.asarray(acc.evaluate(model, *evaluate, verbose=0, **options))
         out[f"{name}/predict"] = acc.predict(model, x, batch_size=7, verbose=0)
 out["recompiles"] = np.asarray(acc.num_recompiles)
+out["sent_early"] = np.asarray(SENT[0])
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)

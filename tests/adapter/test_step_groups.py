@@ -3,8 +3,9 @@ scan; TensorFlow: Keras's while-loop, `fused.py`) give the numbers of one step p
 
 The data (230 rows in batches of 16: 15 steps, the last batch padded) never divides into the
 groups used (N = 4: three groups and a short one of 3; validation in a group of 4 and one
-of 3; evaluation and prediction in the programs the fit compiled), so short groups, padding, Dropout's random stream, a
-per-step schedule and BatchNormalization's statistics all cross group boundaries."""
+of 3; evaluation and prediction in the programs the fit compiled), so short groups,
+padding, Dropout's random stream, a per-step schedule and BatchNormalization's statistics
+all cross group boundaries."""
 
 import os
 

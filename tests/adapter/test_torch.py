@@ -88,6 +88,17 @@ def test_evaluate_and_predict_are_exact_and_whole(runs):
     assert int(first["recompiles"]) == 0 and int(one["recompiles"]) == 0
 
 
+def test_the_backward_pass_sends_the_gradients_in_buckets(runs):
+    """Every bucket of every step is sent by the backward pass itself (none is left to the
+    optimizer's apply): buckets close once they pass 64 bytes, so the 6 weights, last first,
+    make 3 ([bias, kernel] of the last Dense, BatchNormalization's [beta, gamma], the first
+    Dense's); 4 of the 5 fits train 2 epochs of 6 steps and the generator's 1 epoch; one
+    process has no group to send to."""
+    one, first, second = runs
+    assert int(first["sent_early"]) == int(second["sent_early"]) == 3 * (4 * 12 + 6)
+    assert int(one["sent_early"]) == 0
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

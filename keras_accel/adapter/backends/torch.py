@@ -8,9 +8,10 @@ several processes one training, for the duration of each call, on the instances 
   `fit` from the chief's variables (`SameStart`, a broadcast);
 - **its own rows**: each process feeds its contiguous share of every global batch (the
   feeder's static batches, the same in every process), so every process runs the same steps;
-- **one gradient**: the optimizer's `apply` first averages the gradients over the
-  processes, one all-reduce per dtype (the gradients flattened into one bucket), so every
-  process applies the same update, clipping and loss scaling included (`_AveragedApply`);
+- **one gradient**: the gradients are averaged over the processes before the optimizer's
+  `apply` uses them, sent in buckets while the backward pass goes on (`GradientBuckets`,
+  as `DistributedDataParallel` does), so every process applies the same update, clipping
+  and loss scaling included;
 - **exact numbers**: a padded batch weights each process's real rows by the global batch's
   real row count (`row_count`), BatchNormalization sums its moments across processes
   (`all_reduce_sum`, differentiable), and metrics report the state summed over every
@@ -249,7 +250,9 @@ class Runtime(runtime.Runtime):
         if training:
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None:
-                patches.set(optimizer, "apply", _averaged_apply(optimizer.apply))
+                buckets = GradientBuckets(model.trainable_variables)
+                patches.add(buckets.remove)
+                patches.set(optimizer, "apply", _averaged_apply(optimizer.apply, buckets))
         install_global_results(patches, model, global_result, when=_in_step)
 
     def install_outer(self, patches: Patches, model) -> None:
@@ -415,19 +418,125 @@ def _summed():
     return _SUMMED[0]
 
 
-def _averaged_apply(apply):
-    """The optimizer's `apply` on gradients averaged over the processes: one all-reduce
-    per dtype over the flattened gradients (gradients that are None stay None: every
-    process has the same ones)."""
+def _averaged_apply(apply, buckets=None):
+    """The optimizer's `apply` on gradients averaged over the processes: those the
+    backward pass already sent (`GradientBuckets`), the others in one all-reduce per dtype
+    over the flattened gradients (gradients that are None stay None: every process has the
+    same ones)."""
 
     def averaged(grads, trainable_variables=None):
-        return apply(average_gradients(grads), trainable_variables)
+        grads = list(grads)
+        if buckets is not None:
+            grads = buckets.averaged(grads, trainable_variables)
+        return apply(
+            average_gradients(grads, skip=buckets.done if buckets else ()), trainable_variables
+        )
 
     return averaged
 
 
-def average_gradients(grads):
-    """`grads` averaged over the processes, in place of each (one all-reduce per dtype)."""
+# Gradients sent together while the backward pass goes on: DistributedDataParallel's
+# default bucket size.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class GradientBuckets:
+    """The gradients' all-reduce overlapped with the backward pass, as
+    `DistributedDataParallel` does it: the trainable weights in buckets of about
+    `BUCKET_BYTES` (one dtype each), in the reverse of their order, roughly the order the
+    backward pass produces their gradients; a bucket whose every gradient has been
+    accumulated is sent at once (an asynchronous all-reduce) while the backward pass goes
+    on with the layers below. The optimizer's `apply` waits for the buckets and takes the
+    averages (`averaged`).
+
+    Every process runs the same backward pass, so the buckets are sent in the same order
+    everywhere (a collective's order must match). What the backward pass did not send (a
+    weight without a gradient, a step that computes its gradients without `backward`, a
+    gradient changed after it was sent) is averaged by `apply` itself, in bucket order.
+    The hooks are the call's: `remove` takes them off."""
+
+    def __init__(self, variables, bucket_bytes: int | None = None):
+        import torch
+
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        params = [v.value for v in variables]
+        params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+        self.buckets: list[list] = []
+        current, size = [], 0
+        for param in reversed(params):
+            if current and (size >= bucket_bytes or param.dtype != current[0].dtype):
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += param.numel() * param.element_size()
+        if current:
+            self.buckets.append(current)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.sent_early = 0  # Buckets the backward pass sent (for tests and benchmarks).
+        self._reset()
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def _reset(self) -> None:
+        self._waiting = [len(bucket) for bucket in self.buckets]
+        self._sent: list = [None] * len(self.buckets)
+        self.done: set[int] = set()
+
+    def _ready(self, param) -> None:
+        index = self._bucket_of.get(id(param))
+        if index is None or self._sent[index] is not None:
+            return
+        self._waiting[index] -= 1
+        if self._waiting[index] == 0:
+            self._sent[index] = self._send(index)
+            self.sent_early += 1
+
+    def _send(self, index: int):
+        import torch
+
+        grads = [p.grad for p in self.buckets[index]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = _dist().all_reduce(flat, async_op=True)
+        return work, flat, grads, [g._version for g in grads]
+
+    def averaged(self, grads: list, variables) -> list:
+        """`grads` with the averages of what the backward pass sent in place; `done` then
+        holds the positions taken care of."""
+        world = _dist().get_world_size()
+        position = {}
+        if variables is not None:
+            position = {id(v.value): i for i, v in enumerate(variables)}
+        done = set()
+        for index, sent in enumerate(self._sent):
+            if sent is None:
+                continue
+            work, flat, sent_grads, versions = sent
+            work.wait()
+            places = [position.get(id(p)) for p in self.buckets[index]]
+            usable = all(
+                i is not None and grads[i] is g and g._version == v
+                for i, g, v in zip(places, sent_grads, versions)
+            )
+            if not usable:  # Not the gradients this step applies: `apply` averages them.
+                continue
+            flat.div_(world)
+            start = 0
+            for i, g in zip(places, sent_grads):
+                grads[i] = flat[start : start + g.numel()].view_as(g)
+                start += g.numel()
+                done.add(i)
+        self._reset()
+        self.done = done
+        return grads
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def average_gradients(grads, skip=()):
+    """`grads` averaged over the processes, in place of each (one all-reduce per dtype),
+    but for the positions in `skip` (averaged already)."""
     import torch
 
     dist = _dist()
@@ -435,7 +544,7 @@ def average_gradients(grads):
     grads = list(grads)
     by_dtype: dict = {}
     for i, g in enumerate(grads):
-        if g is not None:
+        if g is not None and i not in skip:
             by_dtype.setdefault(g.dtype, []).append(i)
     for indices in by_dtype.values():
         flat = torch.cat([grads[i].reshape(-1) for i in indices])
