@@ -1,5 +1,6 @@
-"""`BackupAndRestore`: the full training state, on Orbax (JAX) or tf.train (TensorFlow), keyed
-by variable path, saved asynchronously and rotated, resumed exactly."""
+"""`BackupAndRestore`: the full training state, on Orbax (JAX), tf.train (TensorFlow) or
+torch.distributed.checkpoint (torch), keyed by variable path, saved asynchronously and
+rotated, resumed exactly."""
 
 from __future__ import annotations
 
@@ -91,8 +92,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     - **the engines the field uses**: on JAX the arrays go to Orbax, written where they live
       (sharded arrays by the processes that hold them, never gathered to one host); on
       TensorFlow to `tf.train.Checkpoint` with `tf.train.CheckpointManager` (as the first
-      seed does), which saves a mirrored variable once and writes `gs://` from a TPU host.
-      Both save in the background by default: training goes on while the data is written,
+      seed does), which saves a mirrored variable once and writes `gs://` from a TPU host;
+      on torch to `torch.distributed.checkpoint` (DCP), which spreads the writes of the
+      replicated state over the processes and restores onto any number of processes.
+      All save in the background by default: training goes on while the data is written,
       and the callback waits for the last save at the end of `fit` and before a restore.
     - **keyed by variable path**: state is saved and restored by Keras's variable paths, not
       by order. A checkpoint in which a model or optimizer variable is missing, extra or of
@@ -152,7 +155,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
         backup_dir: directory for the backups: a local path, or a URL the engine writes
-            (`gs://` on both backends; on TensorFlow any scheme `tf.io.gfile` has). It must
+            (`gs://` on every backend; on TensorFlow any scheme `tf.io.gfile` has, on torch
+            any that fsspec has). Every process must see the same directory. It must
             not be shared with other runs or other callbacks.
         save_freq: "epoch" (after every epoch), an integer N (every N training batches,
             counted across epochs), or False (never automatically; call `save`).

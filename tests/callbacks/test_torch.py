@@ -170,6 +170,56 @@ def test_history_model_checkpoint_and_learning_rate_scheduler(tmp_path):
     assert [w.shape for w in best.get_weights()] == [w.shape for w in model.get_weights()]
 
 
+def test_a_damaged_latest_backup_is_skipped_for_the_one_before(tmp_path):
+    """DCP reports a damaged file as a CheckpointException, a BaseException: the engine
+    raises the reader's own error, so the callback skips that backup with a warning."""
+    model = _model()
+    model.optimizer.build(model.trainable_variables)
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, save_on_background=False)
+    backup.set_model(model)
+    backup.set_params({"epochs": 5, "steps": 3, "verbose": 0})
+    backup.on_train_begin()
+    backup.save(1, 0)
+    good = weights_of(model)
+    model.layers[0].kernel.assign(model.layers[0].kernel.numpy() + 1.0)
+    damaged = backup.save(2, 0)
+    backup.on_train_end()
+    arrays = backup._open().files(6)[0]
+    with open(arrays, "r+b") as f:
+        f.truncate(os.path.getsize(arrays) // 3)
+
+    other = _model()
+    other.optimizer.build(other.trainable_variables)
+    restored = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    restored.set_model(other)
+    restored.set_params({"epochs": 5, "steps": 3, "verbose": 0})
+    with pytest.warns(UserWarning, match=f"skipping the unusable backup '{damaged}' .EOFError"):
+        restored.on_train_begin()
+    for a, b in zip(weights_of(other), good, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert other._initial_epoch == 1
+    restored.on_train_end()
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [("7", "Orbax checkpoints"), ("checkpoint", "tf.train checkpoints")],
+    ids=["orbax", "tf.train"],
+)
+def test_another_backends_backups_are_refused_and_left_alone(tmp_path, other, named):
+    if other.isdigit():
+        (tmp_path / other).mkdir()  # Orbax's step directory.
+    else:
+        (tmp_path / other).write_text("x")  # tf.train's state file.
+    model = _model()
+    backup = BackupAndRestore(str(tmp_path))
+    backup.set_model(model)
+    backup.set_params({"epochs": 1, "steps": 3, "verbose": 0})
+    with pytest.raises(RuntimeError, match=f"holds {named} .* KERAS_BACKEND=torch cannot"):
+        backup.on_train_begin()
+    assert other in os.listdir(tmp_path)
+
+
 # ---------------------------------------------------------------------- 2 real processes
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -121,7 +121,8 @@ class Engine:
             self._pending = (step, dcp.async_save(state, **kwargs))
             return
         try:
-            dcp.save(state, **kwargs)
+            with _unwrapped():
+                dcp.save(state, **kwargs)
         except BaseException:
             self._failed(step)
             raise
@@ -133,7 +134,8 @@ class Engine:
             return
         step, future = pending
         try:
-            future.result()
+            with _unwrapped():
+                future.result()
         except BaseException:
             self._failed(step)
             raise
@@ -204,7 +206,8 @@ class Engine:
             key: torch.empty(tuple(variable.shape), dtype=_tensor(variable).dtype)
             for key, variable in variables.items()
         }
-        dcp.load(targets, storage_reader=_reader(self.path(step)), no_dist=True)
+        with _unwrapped():
+            dcp.load(targets, storage_reader=_reader(self.path(step)), no_dist=True)
         for key, variable in variables.items():
             variable.assign(targets[key])
 
@@ -244,6 +247,23 @@ class Engine:
             group, self._group = self._group, None
             if group is not None and dist.is_initialized():
                 dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def _unwrapped():
+    """DCP reports what failed on any process as a `CheckpointException`, a BaseException
+    (past `except Exception`, where a damaged backup is skipped and a full disk named): the
+    first process's own error is raised instead, DCP's report chained to it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        failures = sorted(error.failures.items())
+        first = failures[0][1][0] if failures else None
+        if not isinstance(first, Exception):
+            raise
+        raise first from error
 
 
 def _tensor(variable) -> torch.Tensor:
