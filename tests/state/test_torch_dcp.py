@@ -209,8 +209,8 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, one: str, two: str, report: str) -> None:
     """One of 2 processes: restore what one process saved in `one`, save new values into
-    `two` (asynchronously), then test that a process missing from a collective call fails
-    the other instead of hanging."""
+    `two` (asynchronously), delete `one` together, then check that a process missing from
+    a collective call of the engine fails the other instead of hanging."""
     import datetime
 
     import torch.distributed as dist
@@ -242,11 +242,15 @@ def _worker(rank: int, world: int, port: int, one: str, two: str, report: str) -
     out.restore(15, restored, _manifest(restored))
     _assert_state(restored, expected)
     out.close()
+    engine.delete_all()  # Every process: the chief deletes, then all meet.
+    engine.close()
+    last = torch_dcp.Engine(os.path.join(os.path.dirname(report), "three"), 2, False)
+    last.save(1, state, {})
     if rank == 1:
         return  # Never comes to the delete_all below.
     started = time.monotonic()
     try:
-        engine.delete_all()
+        last.delete_all()
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
@@ -299,7 +303,8 @@ def test_two_processes_restore_one_process_state_and_one_process_restores_theirs
     result = json.loads(report.read_text())
     assert result["error"] is not None and "1" in result["error"], result
     assert result["seconds"] < 60, result
-    assert os.listdir(one) == []  # The chief deleted before it waited.
+    assert os.listdir(one) == []  # Deleted by delete_all of both processes.
+    assert os.listdir(tmp_path / "three") == []  # The chief deleted before it waited.
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
