@@ -316,7 +316,7 @@ def _owned(pipeline):
     def copy(value):
         return tf.raw_ops.DeepCopy(x=value) if isinstance(value, tf.Tensor) else value
 
-    if isinstance(pipeline.element_spec, tuple):  # tf.data passes a tuple's parts apart.
+    if type(pipeline.element_spec) is tuple:  # tf.data passes a plain tuple's parts apart.
         return pipeline.map(lambda *parts: tf.nest.map_structure(copy, parts))
     return pipeline.map(lambda element: tf.nest.map_structure(copy, element))
 
