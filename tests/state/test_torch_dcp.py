@@ -282,8 +282,11 @@ def test_two_processes_restore_one_process_state_and_one_process_restores_theirs
         for rank in range(2)
     ]
     outputs = [w.communicate(timeout=240)[0] for w in workers]
-    for rank, (w, output) in enumerate(zip(workers, outputs)):
-        assert w.returncode == 0, f"process {rank}:\n{output[-4000:]}"
+    codes = [w.returncode for w in workers]
+    assert codes == [0, 0], "\n".join(
+        f"process {rank} ({code}):\n{output[-3000:]}"
+        for rank, (code, output) in enumerate(zip(codes, outputs))
+    )
 
     # DCP spread the replicated state over both writers, and rank 0 committed.
     assert sorted(os.listdir(two)) == ["dcp-10", "dcp-15"]

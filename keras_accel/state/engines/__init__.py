@@ -12,8 +12,8 @@
 - torch: `torch.distributed.checkpoint` (DCP), what the torch field uses (torchtitan,
   Lightning's `ModelParallelStrategy`): every process hands it the whole (replicated) state
   and DCP spreads the writes over the processes, one key per writer; `.metadata`, written
-  last, commits; `dcp.async_save` writes in a thread with collectives on a gloo group of the
-  engine's own; each process restores by reading every value it needs itself, so a
+  last, commits; `dcp.async_save` writes in a thread with collectives on a gloo group that is
+  not training's; each process restores by reading every value it needs itself, so a
   checkpoint restores onto any number of processes (torch_dcp.py says more).
 
 An engine opened on a directory answers:

@@ -21,9 +21,11 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
 - **Asynchronous save** (`dcp.async_save`, in a thread): the state is copied into host
   memory first (DCP's stager copies every tensor, CPU ones too, so training may change the
   variables at once), and the files are written in the background. Its collectives (DCP
-  agrees on the plan, then on the end of the writes) run on a gloo process group of the
-  engine's own, never on the one training uses: two threads' collectives on one group
-  would pair up wrongly. That group also makes it work where training runs on NCCL.
+  agrees on the plan, then on the end of the writes) run on a gloo process group that the
+  engines make for themselves (one per process group, shared by the engines of a process,
+  which save one at a time), never on the one training uses: two threads' collectives on
+  one group would pair up wrongly. That group also makes it work where training runs on
+  NCCL.
 - **Restore onto any process count.** Each process reads every value it restores itself
   (`dcp.load(..., no_dist=True)`): from the files of any number of writers, into any number
   of readers, with no collective that a process could miss.
@@ -33,12 +35,14 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
 import os
 import re
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,7 +86,6 @@ class Engine:
         self.directory = files.local_path(directory)
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
-        self._group = None  # The engine's own gloo group, made at the first collective call.
         self._pending = None  # (step, future) of the save in flight.
         # Saves a kill interrupted: a `dcp-N` without its `.metadata`. The chief removes them.
         self.interrupted = sorted(step for step, done in self._listed().items() if not done)
@@ -96,20 +99,20 @@ class Engine:
 
     def _dist(self) -> dict:
         """DCP's process arguments: one process saves alone (no collectives); several agree
-        on their plans over the engine's own group."""
+        on their plans over the engines' own group."""
         if not self._distributed():
             return {"no_dist": True}
-        if self._group is None:
-            # Collective over the default group: every process calls save, delete_all and
-            # close in the same order, and the first of them makes it.
-            self._group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S)
-            )
-        return {"process_group": self._group}
+        return {"process_group": _group()}
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, variables: dict, meta: dict) -> None:
         self.wait()  # One save in flight at a time; the previous one is committed first.
+        # And one in the process: the engines of one process share their group, whose
+        # collectives must come in the same order everywhere (another engine's error stays
+        # for its own wait to raise).
+        for other in list(_SAVING):
+            if other is not self and other._pending is not None:
+                concurrent.futures.wait([other._pending[1]])
         path = self.path(step)
         if process.is_chief():
             files.makedirs(path)
@@ -119,6 +122,7 @@ class Engine:
         kwargs = {"storage_writer": _writer(path), **self._dist()}
         if self.asynchronous:
             self._pending = (step, dcp.async_save(state, **kwargs))
+            _SAVING.add(self)
             return
         try:
             with _unwrapped():
@@ -130,6 +134,7 @@ class Engine:
 
     def wait(self) -> None:
         pending, self._pending = self._pending, None
+        _SAVING.discard(self)
         if pending is None:
             return
         step, future = pending
@@ -189,8 +194,10 @@ class Engine:
         return sorted(step for step, done in self._listed().items() if done)
 
     def steps(self) -> list[int]:
+        """The committed checkpoints that rotation keeps, the newest `max_to_keep`: the same
+        list on every process, whether or not the chief has deleted the older ones yet."""
         self.wait()  # A save in flight is listed once committed.
-        return self._steps()
+        return self._steps()[-self.max_to_keep :]
 
     def has(self, step: int) -> bool:
         return step in self.steps()
@@ -235,18 +242,34 @@ class Engine:
         if self._distributed():
             self._dist()
             dist.monitored_barrier(
-                group=self._group,
+                group=_group(),
                 timeout=datetime.timedelta(seconds=TIMEOUT_S),
                 wait_all_ranks=True,
             )
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            group, self._group = self._group, None
-            if group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
+        # The group stays, for the next engine (one group per process group, not one more
+        # per fit); it ends with the process group.
+        self.wait()
+
+
+_SAVING: weakref.WeakSet = weakref.WeakSet()  # Engines of this process with a save in flight.
+_GROUPS: dict = {}  # {id of the default group: the engines' gloo group}
+
+
+def _group():
+    """The engines' gloo group of this process group, made at the first collective call of
+    any engine (every process calls save, delete_all and close in the same order, and
+    `new_group` is collective over the default group). Not training's group: the
+    background save's collectives would pair up wrongly with training's."""
+    default = dist.group.WORLD
+    key = id(default)
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0] is not default:  # A new default group (init after destroy).
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        _GROUPS.clear()
+        _GROUPS[key] = entry = (default, group)
+    return entry[1]
 
 
 @contextlib.contextmanager
