@@ -19,6 +19,8 @@ from keras_accel.callbacks._lock import LOCK_NAME
 from keras_accel.utils import process
 from tests.helpers import Interrupt, compiled_mlp, data, weights_of
 
+pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch (torch.distributed.checkpoint).
+
 
 def test_interrupted_fit_resumes_where_it_stopped(tmp_path):
     """Keras's own example: the second fit runs only the missing epochs and the History
@@ -134,8 +136,9 @@ def test_a_resumed_fit_that_raises_leaves_no_epoch_to_start_at(tmp_path):
 
 
 def _step(path):
-    """The step number of a checkpoint path (Orbax: `<dir>/<step>`; tf.train: `ckpt-<step>`)."""
-    return os.path.basename(path).removeprefix("ckpt-")
+    """The step number of a checkpoint path (Orbax: `<dir>/<step>`; tf.train: `ckpt-<step>`;
+    torch's DCP: `dcp-<step>`)."""
+    return os.path.basename(path).removeprefix("ckpt-").removeprefix("dcp-")
 
 
 def _fresh(**kwargs):
@@ -237,10 +240,12 @@ def test_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path):
 
 def _interrupted_save(folder, step):
     """What a process killed while its engine wrote backup `step` leaves: Orbax's temporary
-    step directory, or tf.train's `ckpt-<step>_temp`."""
-    name = (
-        f"{step}.orbax-checkpoint-tmp" if keras.backend.backend() == "jax" else f"ckpt-{step}_temp"
-    )
+    step directory, tf.train's `ckpt-<step>_temp`, or DCP's `dcp-<step>` without `.metadata`."""
+    name = {
+        "jax": f"{step}.orbax-checkpoint-tmp",
+        "tensorflow": f"ckpt-{step}_temp",
+        "torch": f"dcp-{step}",
+    }[keras.backend.backend()]
     (folder / name).mkdir()
     (folder / name / "partial").write_bytes(b"half written")
 
@@ -467,8 +472,10 @@ def test_backup_dir_that_is_a_file(tmp_path):
 
 
 def test_a_path_the_engine_cannot_write_is_refused_at_once():
-    with pytest.raises(ValueError, match=r"cannot write 'memory://run'.*Received: backup_dir"):
-        BackupAndRestore("memory://run")
+    # torch's engine writes through fsspec, memory:// too: a scheme nothing serves there.
+    url = "nosuchscheme://run" if keras.backend.backend() == "torch" else "memory://run"
+    with pytest.raises(ValueError, match=rf"cannot write '{url}'.*Received: backup_dir"):
+        BackupAndRestore(url)
 
 
 def test_another_format_in_backup_dir_is_refused_with_what_it_is(tmp_path):

@@ -18,9 +18,10 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
   engine opens the directory (`interrupted`) and removed by the chief. Deleting a
   checkpoint removes its `.metadata` first, so a deletion that a kill interrupts leaves no
   checkpoint that looks complete.
-- **Asynchronous save** (`dcp.async_save`, in a thread): the state is copied into host
-  memory first (DCP's stager copies every tensor, CPU ones too, so training may change the
-  variables at once), and the files are written in the background. Its collectives (DCP
+- **Asynchronous save** (`dcp.async_save` across processes; in one process, DCP's saver in
+  a thread of the engine's): the state is copied into host memory first (every tensor, CPU
+  ones too, so training may change the variables at once), and the files are written in
+  the background. Its collectives (DCP
   agrees on the plan, then on the end of the writes) run on a gloo process group that the
   engines make for themselves (one per process group, shared by the engines of a process,
   which save one at a time), never on the one training uses: two threads' collectives on
@@ -63,11 +64,9 @@ TIMEOUT_S = 1800.0
 
 
 # DCP warns at every save and load without a process group that it assumes one process;
-# here that is the intent (one process, or each process reading for itself). Only that
-# message is silenced; the save thread's warnings go through the global filters.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
+# here that is the intent (one process, or each process reading for itself): that message
+# is held back around our calls (`_unwrapped`, `_save_alone`), and the filters left alone.
+_ALONE = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def supports(path: str) -> bool:
@@ -119,14 +118,25 @@ class Engine:
             # Before DCP's commit, which the chief writes after every process's share.
             files.write_atomic(files.join(path, META), json.dumps(meta))
         state = {key: _tensor(variable) for key, variable in variables.items()}
-        kwargs = {"storage_writer": _writer(path), **self._dist()}
+        writer = _writer(path)
+        alone = not self._distributed()
         if self.asynchronous:
-            self._pending = (step, dcp.async_save(state, **kwargs))
+            if alone:
+                # DCP's copy into host memory (a copy of CPU tensors too: training changes
+                # the variables in place), then DCP's save in a thread of ours.
+                staged = {key: value.to("cpu", copy=True) for key, value in state.items()}
+                future = _executor().submit(_save_alone, staged, writer)
+            else:
+                future = dcp.async_save(state, storage_writer=writer, **self._dist())
+            self._pending = (step, future)
             _SAVING.add(self)
             return
         try:
             with _unwrapped():
-                dcp.save(state, **kwargs)
+                if alone:
+                    _save_alone(state, writer)
+                else:
+                    dcp.save(state, storage_writer=writer, **self._dist())
         except BaseException:
             self._failed(step)
             raise
@@ -253,6 +263,32 @@ class Engine:
         self.wait()
 
 
+def _save_alone(state: dict, writer) -> None:
+    """One process's DCP save, without the UserWarning with which `dcp.save` says that it
+    saves in one process: in the background thread no filter of ours can hold it back where
+    the caller turned warnings into errors (`-W error`), and the save would fail on it.
+    DCP's own saver behind `dcp.save`, as `dcp.save` calls it."""
+    from torch.distributed.checkpoint import state_dict_saver
+
+    saver = getattr(state_dict_saver, "_save_state_dict", None)
+    if saver is None:  # pragma: no cover - a torch that moved it
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        return
+    saver(state_dict=state, storage_writer=writer, no_dist=True)
+
+
+_EXECUTOR: list = []
+
+
+def _executor():
+    """One writer thread for the single-process background saves (one at a time)."""
+    if not _EXECUTOR:
+        _EXECUTOR.append(
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="keras_accel-dcp")
+        )
+    return _EXECUTOR[0]
+
+
 _SAVING: weakref.WeakSet = weakref.WeakSet()  # Engines of this process with a save in flight.
 _GROUPS: dict = {}  # {id of the default group: the engines' gloo group}
 
@@ -280,7 +316,11 @@ def _unwrapped():
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        yield
+        with warnings.catch_warnings():
+            # Also where the caller turned warnings into errors (`-W error`): DCP's note
+            # that one process saves or loads alone is no fault here.
+            warnings.filterwarnings("ignore", message=_ALONE)
+            yield
     except CheckpointException as error:
         failures = sorted(error.failures.items())
         first = failures[0][1][0] if failures else None
