@@ -1,5 +1,5 @@
-"""One custom training loop for JAX and TensorFlow: the user writes the loop, keras_accel
-compiles the step.
+"""One custom training loop for JAX, TensorFlow and torch: the user writes the loop,
+keras_accel compiles the step (torch runs it eagerly, as Keras's torch trainer does).
 
 The first seed's custom loop is TensorFlow-only: `tf.data` batched per replica, a
 `@tf.function` step run by `strategy.run`, a loss averaged with
@@ -55,6 +55,7 @@ pure step function over an explicit state, which is what running N of them per h
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -195,9 +196,9 @@ class CustomLoop:
                 self.metrics = [_metric(m) for m in (metrics or [])]
                 self.weighted_metrics = [_metric(m) for m in (weighted_metrics or [])]
         backend = keras.backend.backend()
-        if backend not in ("jax", "tensorflow"):
+        if backend not in ("jax", "tensorflow", "torch"):
             raise NotImplementedError(
-                f"Accelerator.loop compiles steps on JAX and TensorFlow. Received: "
+                f"Accelerator.loop runs on JAX, TensorFlow and torch. Received: "
                 f"KERAS_BACKEND={backend!r}."
             )
         module = importlib.import_module(f"keras_accel.loop.backends.{backend}")
@@ -350,12 +351,15 @@ class CustomLoop:
         over every replica's rows."""
         self._backend.sync()
         out = {}
-        for metric in self.all_metrics():
-            value = metric.result()
-            if isinstance(value, dict):
-                out.update({k: float(np.asarray(v)) for k, v in value.items()})
-            else:
-                out[metric.name] = float(np.asarray(value))
+        # torch: each process holds its rows' state; reading sums it over the processes.
+        reading = getattr(self._backend, "reading", contextlib.nullcontext)
+        with reading():
+            for metric in self.all_metrics():
+                value = metric.result()
+                if isinstance(value, dict):
+                    out.update({k: float(keras.ops.convert_to_numpy(v)) for k, v in value.items()})
+                else:
+                    out[metric.name] = float(keras.ops.convert_to_numpy(value))
         return out
 
     def reset_metrics(self) -> None:

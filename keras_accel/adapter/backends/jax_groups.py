@@ -33,20 +33,26 @@ from keras_accel.utils import keras_internals
 KINDS = ("train", "test", "predict")
 
 
-def scan_steps(step, outputs: bool = False, shapes_only=contextlib.nullcontext):
+def scan_steps(
+    step, outputs: bool = False, shapes_only=contextlib.nullcontext, no_outputs: bool = False
+):
     """`(state, stacked, valid) -> (last outputs, state)`, or `(every slot's outputs,
     state)` with `outputs=True`, running `step(state, batch) -> (outputs, state)` over the
     leading axis of `stacked` in one `lax.scan`; slots where `valid` is False leave the
     state, and the carried outputs, as they were (their own outputs are zeros).
 
     The step is traced twice: once for the shapes of its outputs (the scan's carry needs
-    them first), inside `shapes_only()`, and once as the scan's body."""
+    them first), inside `shapes_only()`, and once as the scan's body; once with
+    `no_outputs=True`, for a step whose outputs are `()` (the custom loop's)."""
 
     def run(state, stacked, valid):
-        first = jax.tree.map(lambda a: a[0], stacked)
-        with shapes_only():
-            shapes = jax.eval_shape(step, state, first)[0]
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        if no_outputs:
+            zeros = ()
+        else:
+            first = jax.tree.map(lambda a: a[0], stacked)
+            with shapes_only():
+                shapes = jax.eval_shape(step, state, first)[0]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
         def body(carry, slot):
             state, last = carry

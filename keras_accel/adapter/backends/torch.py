@@ -285,26 +285,10 @@ class Runtime(runtime.Runtime):
         share = static_rows // self.num_replicas
         return slice(self.rank * share, (self.rank + 1) * share)
 
-    def own_files(self, batches):
-        """This process's own files of a file-backed tf.data pipeline (`batches`), where
-        every process can read its own (`keras_accel.data.tfdata.ProcessFiles`), else None:
-        each process then reads the whole pipeline and keeps its rows of each global batch."""
-        from keras_accel.data import tfdata
-
-        own = tfdata.process_files(batches, self.num_replicas, self.rank)
-        return own if agree_all(own is not None) else None
-
-    def own_rows(self, source, num_replicas: int, remainder: str, training: bool):
-        """A batched Grain `MapDataset` that every process reads only its block of each
-        global batch of (`keras_accel.data.grain.process_share`), where every process can;
-        else None (each reads it all, and keeps its rows of each batch)."""
-        from keras_accel.data import grain
-
-        count = self.num_replicas
-        static_rows = grain.shared_static_rows(source, count, num_replicas, remainder)
-        if not agree_all(static_rows is not None):
-            return None
-        return grain.process_share(source, count, self.rank, num_replicas, remainder, training)
+    # `own_files` and `own_rows`: the runtime's defaults (None). Each process reads a
+    # file-backed pipeline or a Grain data set whole and keeps its rows of each batch: where
+    # processes read their own files, the end of their data is agreed through JAX's
+    # coordinator (`keras_accel.utils.process.EndAgreement`), which a torch run has not.
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         rows = self.process_rows(batches.plan.static_rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from keras import ops
 
@@ -314,18 +313,16 @@ def _global_shape(shape: tuple, axis: int) -> tuple:
 
 
 def _fused(step):
-    """`step(state, batch) -> state` run over a group's stacked batches in one program
-    (`lax.scan`); slots flagged invalid (a short last group's filler) leave the state as it
-    was, so a group of fewer steps gives exactly those steps."""
+    """`step(state, batch) -> state` run over a group's stacked batches in one program: the
+    same scan as `fit`'s groups (`keras_accel.adapter.backends.jax_groups.scan_steps`);
+    slots flagged invalid (a short last group's filler) are skipped, so a group of fewer
+    steps gives exactly those steps."""
+    from keras_accel.adapter.backends.jax_groups import scan_steps
+
+    scan = scan_steps(lambda state, batch: ((), step(state, batch)), no_outputs=True)
 
     def steps(state, group):
         batches, valid = group
-
-        def body(state, inputs):
-            batch, ok = inputs
-            new = step(state, batch)
-            return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, state), None
-
-        return jax.lax.scan(body, state, (batches, valid))[0]
+        return scan(state, batches, valid)[1]
 
     return steps

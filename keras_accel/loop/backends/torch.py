@@ -1,0 +1,219 @@
+"""torch: eager steps in each process, the gradients averaged over the process group.
+
+Keras's torch backend runs a step as Python (nothing compiles), so a `StepGroup` is a
+Python loop over its batches: grouping saves no host round trip here, and gives the
+numbers of single steps. Several processes (`keras-accel launch`, torchrun) each feed their
+rows of every global batch; the loss of each is its share of the global batch's mean over
+real rows, and the optimizer applies the gradients averaged over the processes (with the
+process count folded into each share, that average is the gradient of the global mean).
+`results()` and `predict` meet the other processes: every process calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import numpy as np
+import torch
+
+from keras_accel.adapter.backends import torch as runtime_torch
+from keras_accel.adapter.batchnorm import install_batchnorm
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.pipeline import preprocessor
+from keras_accel.adapter.steps import ROW_MASK
+from keras_accel.data.batching import pack, unpack
+from keras_accel.data.sources import (
+    ArrayBatches,
+    IterableBatches,
+    PyDatasetBatches,
+    refuse_preprocessing,
+)
+
+
+class Steps:
+    def __init__(self, loop):
+        self.loop = loop
+        self.runtime = loop.accelerator.runtime
+        self.world = self.runtime.num_replicas
+        self.traces: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ data
+    def distributed(self, batches, training: bool):
+        return self.distribute(batches, training)
+
+    def distribute(self, batches, training: bool):
+        for element in self._host_batches(batches):
+            yield keras.tree.map_structure(_tensor, element)
+
+    def groups(self, batches, training: bool, n: int):
+        """`StepGroup`s of up to n batches, run one after the other (eager steps)."""
+        from keras_accel.loop import StepGroup
+
+        chunk = []
+        for batch in self.distribute(batches, training):
+            chunk.append(batch)
+            if len(chunk) == n:
+                yield StepGroup(chunk, n)
+                chunk = []
+        if chunk:
+            yield StepGroup(chunk, len(chunk))
+
+    def _host_batches(self, batches):
+        """This process's rows of each batch: `pack(x, y, weights, mask)` with the user's
+        weights (the step divides by the global batch's real rows itself)."""
+        if preprocessor(self.loop.model) is not None:
+            raise ValueError(
+                "On the torch backend acc.loop feeds numbers: a keras-hub preprocessor runs "
+                "in tf.data. Preprocess into arrays first, or use KERAS_BACKEND=jax or "
+                "tensorflow."
+            )
+        own = getattr(batches, "own_files", None)
+        rows = None
+        if own is not None:  # This process's own files: its rows of each global batch.
+            elements = own.batches()
+        else:
+            rows = self.runtime.process_rows(batches.plan.static_rows)
+            if isinstance(batches, IterableBatches):
+                refuse_preprocessing(batches, None)
+                elements = batches.batches()
+            elif isinstance(batches, (ArrayBatches, PyDatasetBatches)):
+                elements = (batches.batch(i) for i in range(len(batches)))
+            else:  # A tf.data pipeline read as numpy.
+                elements = (unpack(e) for e in batches.pipeline(True, None).as_numpy_iterator())
+        for x, y, weights, mask in elements:
+            element = pack(x, y, weights, mask)
+            if rows is not None:
+                element = keras.tree.map_structure(lambda a, r=rows: np.asarray(a)[r], element)
+            yield element
+
+    # ------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def _installed(self):
+        # BatchNormalization over real rows, its moments summed over the processes.
+        with Patches() as patches:
+            install_batchnorm(
+                patches,
+                self.loop.model,
+                self.runtime.all_reduce_sum,
+                self.loop.accelerator.sync_batchnorm,
+            )
+            yield
+
+    def _forward(self, x, mask, training: bool):
+        token = ROW_MASK.set(mask)
+        try:
+            return self.loop.model(x, training=training)
+        finally:
+            ROW_MASK.reset(token)
+
+    def _real_rows(self, mask):
+        """The global batch's real rows (summed over the processes)."""
+        total = torch.sum(mask.to(torch.float32)).reshape(1).detach().clone()
+        if self.world > 1:
+            runtime_torch._dist().all_reduce(total)
+        return total[0]
+
+    def train(self, batch) -> None:
+        from keras_accel.loop import per_example_losses
+
+        loop = self.loop
+        model = loop.model
+        self.traces["train"] = self.traces.get("train", 0) + 1
+        x, y, weights, mask = unpack(batch)
+        real = self._real_rows(mask)
+        with self._installed():
+            model.zero_grad()
+            y_pred = self._forward(x, mask, training=True)
+            per = per_example_losses(loop.loss, y, y_pred)
+            # This process's share of the global mean over real rows, times the process
+            # count: averaged over the processes, the gradients are the global mean's.
+            value = torch.sum(per * weights) / torch.clamp(real, min=1.0)
+            scaled = loop.optimizer.scale_loss(value * self.world)
+            scaled.backward()
+        variables = model.trainable_variables
+        grads = [v.value.grad for v in variables]
+        if self.world > 1:
+            grads = runtime_torch.average_gradients(grads)
+        with torch.no_grad():
+            loop.optimizer.apply(grads, variables)
+        self._update_metrics(y, y_pred.detach() if hasattr(y_pred, "detach") else y_pred,
+                             per.detach(), weights, mask)  # fmt: skip
+
+    def test(self, batch) -> None:
+        from keras_accel.loop import per_example_losses
+
+        x, y, weights, mask = unpack(batch)
+        with torch.no_grad(), self._installed():
+            y_pred = self._forward(x, mask, training=False)
+            per = per_example_losses(self.loop.loss, y, y_pred)
+            self._update_metrics(y, y_pred, per, weights, mask)
+
+    def train_group(self, group) -> None:
+        for batch in group.payload:
+            self.train(batch)
+
+    def test_group(self, group) -> None:
+        for batch in group.payload:
+            self.test(batch)
+
+    def predict(self, batch):
+        with torch.no_grad():
+            return self.loop.model(unpack(batch)[0], training=False)
+
+    def predict_masked(self, batch):
+        """`(outputs, row_mask)` of one prediction batch, every process's rows in process
+        order (each holds a contiguous share of the global batch)."""
+        outputs, mask = self.predict(batch), unpack(batch)[3]
+        if self.world > 1:
+            outputs, mask = runtime_torch._gathered((outputs, mask))
+        return outputs, mask
+
+    def _update_metrics(self, y, y_pred, per, weights, mask):
+        # Each process's own rows; `reading()` sums the states over the processes.
+        loop = self.loop
+        with torch.no_grad():
+            loop.loss_tracker.update_state(per * weights, sample_weight=mask)
+            for metric in loop.metrics:
+                metric.update_state(y, y_pred, sample_weight=mask)
+            for metric in loop.weighted_metrics:
+                metric.update_state(y, y_pred, sample_weight=weights * mask)
+
+    # ------------------------------------------------------------------ results
+    @contextlib.contextmanager
+    def reading(self):
+        """Metric results over every process's rows while in here (a collective: every
+        process reads)."""
+        if self.world == 1:
+            yield
+            return
+        variables, values = [], []
+        for metric in self.loop.all_metrics():
+            for variable in metric.variables:
+                value = variable.value.detach().clone()
+                aggregation = getattr(variable, "aggregation", "sum")
+                if aggregation in ("sum", "mean"):
+                    runtime_torch._dist().all_reduce(value)
+                    if aggregation == "mean":
+                        value = value / self.world
+                elif aggregation == "only_first_replica":
+                    runtime_torch._dist().broadcast(value, src=0)
+                variables.append(variable)
+                values.append(value)
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            yield
+
+    def sync(self) -> None:
+        return None
+
+    def metrics_reset(self) -> None:
+        return None
+
+    def to_host(self, outputs):
+        return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
+
+
+def _tensor(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":
+        return keras.ops.convert_to_tensor(leaf)
+    return leaf
