@@ -174,6 +174,16 @@ class Launch:
             self.signal_all(signal.SIGTERM)
             self._deadline = time.monotonic() + self.grace
 
+    def _cause(self, codes: list) -> list:
+        """The exit codes once a process failed, after a short look for a process killed by
+        a signal: a peer that lost it through a collective (gloo's closed connection) may
+        exit with an error first, and the one killed is the cause to name."""
+        deadline = time.monotonic() + CAUSE_WINDOW_S
+        while time.monotonic() < deadline and not any(c is not None and c < 0 for c in codes):
+            time.sleep(0.02)
+            codes = [process.poll() for process in self.processes]
+        return codes
+
     def wait(self) -> int:
         """Watch the processes until all have ended; the launch's exit code."""
         failed: tuple[int, int] | None = None
@@ -182,9 +192,10 @@ class Launch:
             codes = [process.poll() for process in self.processes]
             if all(code is not None for code in codes):
                 break
-            if failed is None:
-                for index, code in enumerate(codes):
-                    if code not in (None, 0) and self._stopping is None:
+            if failed is None and self._stopping is None and any(c not in (None, 0) for c in codes):
+                codes = self._cause(codes)
+                for index, code in sorted(enumerate(codes), key=_signal_first):
+                    if code not in (None, 0):
                         failed = (index, code)
                         others = sum(c is None for c in codes)
                         self.say(
@@ -207,7 +218,8 @@ class Launch:
             pump.join(timeout=5)
         codes = [process.returncode for process in self.processes]
         if failed is None and self._stopping is None and any(codes):
-            failed = next((i, c) for i, c in enumerate(codes) if c)  # Ended in one poll.
+            # Ended in one poll: the one a signal killed first (the cause), else the first.
+            failed = next((i, c) for i, c in sorted(enumerate(codes), key=_signal_first) if c)
         if failed is not None:
             index, code = failed
             self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")
@@ -220,6 +232,15 @@ class Launch:
             bad = next(c for c in codes if c)
             return bad if bad > 0 else 128 - bad
         return 0
+
+
+# How long a failure waits for another process's end by a signal, which it then names.
+CAUSE_WINDOW_S = 1.0
+
+
+def _signal_first(item) -> tuple:
+    index, code = item
+    return (not (code is not None and code < 0), index)
 
 
 def devices_per_process_note(devices_per_process: int | None, num_processes: int) -> str | None:
