@@ -758,6 +758,31 @@ def replace_compute_loss(patches, model, make: Callable) -> None:
     patches.set(model, "compute_loss", compute_loss)
 
 
+def step_aside_from_keras_ddp(patches, model) -> Callable | None:
+    """Keras 3.16's torch trainer wraps the model in `DistributedDataParallel` whenever a
+    process group exists (`_initialize_ddp`) and sums every metric variable over the
+    processes in its own `get_metrics_result`. The Accelerator averages the gradients once
+    and reduces metrics by each variable's aggregation itself: for the duration of
+    `patches` Keras's wrapping is skipped. Returns the trainer-independent
+    `get_metrics_result` (Keras's base trainer's, which reads each metric's `result()`) where
+    Keras's torch trainer overrides it, else None. Keras 3.15 has neither: nothing is
+    changed."""
+    if not hasattr(type(model), "_initialize_ddp"):
+        return None
+    if getattr(model, "ddp_model", None) is not None:
+        raise RuntimeError(
+            f"This model was wrapped in DistributedDataParallel by a plain model.fit in a "
+            f"process group (Keras {keras.__version__}); the Accelerator averages the "
+            "gradients itself and would reduce them twice. Train it through the "
+            "Accelerator only, or build it again."
+        )
+    patches.set(model, "_initialize_ddp", lambda: None)
+    for klass in type(model).__mro__:
+        if "get_metrics_result" in vars(klass) and not hasattr(klass, "_initialize_ddp"):
+            return vars(klass)["get_metrics_result"].__get__(model)
+    return None
+
+
 def replace_step_and_added_losses(patches, model, step: Callable, added: Callable) -> None:
     """For the duration of `patches`: Keras's step computes its loss through
     `step(model._compute_loss)`, and Keras's `compute_loss` sums each added loss

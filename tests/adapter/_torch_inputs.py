@@ -109,4 +109,7 @@ for name, make in inputs.items():
         out[f"{name}/predict"] = acc.predict(model, x, batch_size=7, verbose=0)
 out["recompiles"] = np.asarray(acc.num_recompiles)
 out["sent_early"] = np.asarray(SENT[0])
+# Keras 3.16 wraps a model in DistributedDataParallel where a process group exists: never
+# during the Accelerator's calls, which average the gradients themselves.
+out["ddp_wrapped"] = np.asarray(getattr(model, "ddp_model", None) is not None)
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)

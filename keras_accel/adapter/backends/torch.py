@@ -260,9 +260,13 @@ class Runtime(runtime.Runtime):
             return
         for kind in ("train", "test", "predict"):
             patches.set(model, f"{kind}_step", _stepping(getattr(model, f"{kind}_step"), kind))
+        # Keras 3.16 would wrap the model in DistributedDataParallel (a second all-reduce of
+        # every gradient) and sum every metric variable itself: not during our calls.
+        base_result = keras_internals.step_aside_from_keras_ddp(patches, model)
         # Keras reads the epoch's (and the evaluation's) logs from `get_metrics_result()`
         # after the last step, in every process: global there too.
-        patches.set(model, "get_metrics_result", _stepping(model.get_metrics_result, None))
+        result = base_result or model.get_metrics_result
+        patches.set(model, "get_metrics_result", _stepping(result, None))
 
     def callbacks(self) -> list:
         return [SameStart()] if self.num_replicas > 1 else []
