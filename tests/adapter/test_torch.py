@@ -100,6 +100,28 @@ def test_the_backward_pass_sends_the_gradients_in_buckets(runs):
     assert not bool(first["ddp_wrapped"])  # Keras 3.16's own DDP would reduce them again.
 
 
+PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_precision.py")
+
+
+def test_float16_loss_scaling_decides_alike_in_every_process(tmp_path):
+    """Under "float16" (Keras's LossScaleOptimizer) both processes hold the same weights,
+    bit for bit: the skip-or-apply decision reads the averaged gradients. Against one
+    process, float16's own rounding in another order: measured 1.3e-4 on the weights' sum,
+    so 2e-3."""
+    one = _run([sys.executable, PRECISION_SCRIPT, "float16", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    two = _run([*launch, PRECISION_SCRIPT, "float16", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    loaded = [dict(np.load(tmp_path / f"{n}.npz")) for n in ("one-0", "two-0", "two-1")]
+    reference, first, second = loaded
+    assert str(first["optimizer"]) == "LossScaleOptimizer"
+    for key in first:
+        if key != "optimizer":
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+            np.testing.assert_allclose(first[key], reference[key], atol=2e-3, err_msg=key)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
