@@ -85,9 +85,7 @@ def barrier(name: str, model=None) -> None:
         multihost_utils.sync_global_devices(name)
         return
     if _backend() == "torch":
-        from keras_accel.adapter.backends.torch import barrier as torch_barrier
-
-        torch_barrier(name)
+        _torch_barrier(name)
         return
     import tensorflow as tf
 
@@ -107,6 +105,24 @@ def barrier(name: str, model=None) -> None:
 
 
 _BARRIERS: dict = {}
+
+
+def _torch_barrier(name: str) -> None:
+    """gloo: a barrier that names the ranks that never came, after the heartbeat timeout
+    (`KERAS_ACCEL_HEARTBEAT_TIMEOUT`, 100 s); other process groups: theirs."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_backend() != "gloo":
+        dist.barrier()
+        return
+    seconds = int(os.environ.get("KERAS_ACCEL_HEARTBEAT_TIMEOUT", "100"))
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as error:
+        raise RuntimeError(f"keras_accel: barrier {name!r}: {error}") from error
 
 
 def _coordination_client():

@@ -128,21 +128,6 @@ def connect(cluster) -> None:
         raise
 
 
-def barrier(name: str) -> None:
-    """Every process got here (gloo: a barrier that names the ranks that never came, after
-    the timeout)."""
-    if _world() == 1:
-        return
-    dist = _dist()
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        except RuntimeError as error:
-            raise RuntimeError(f"keras_accel: barrier {name!r}: {error}") from error
-    else:
-        dist.barrier()
-
-
 def agree_seed(seed: int | None) -> int:
     """One seed for every process: the chief's (drawn there when `seed` is None)."""
     import torch
@@ -337,13 +322,13 @@ def _stepping(step, kind: str | None):
         finally:
             _IN_STEP[0] -= 1
         if kind == "predict":
-            result = _gathered(result)
+            result = gather_rows(result)
         return result
 
     return run
 
 
-def _gathered(outputs):
+def gather_rows(outputs):
     """Every process's outputs of this batch, concatenated in process order: the global
     batch's rows in their order (each process holds a contiguous share)."""
     import torch

@@ -16,6 +16,7 @@ import contextlib
 import keras
 import numpy as np
 import torch
+import torch.distributed
 
 from keras_accel.adapter.backends import torch as runtime_torch
 from keras_accel.adapter.batchnorm import install_batchnorm
@@ -111,7 +112,7 @@ class Steps:
         """The global batch's real rows (summed over the processes)."""
         total = torch.sum(mask.to(torch.float32)).reshape(1).detach().clone()
         if self.world > 1:
-            runtime_torch._dist().all_reduce(total)
+            torch.distributed.all_reduce(total)
         return total[0]
 
     def train(self, batch) -> None:
@@ -166,7 +167,7 @@ class Steps:
         order (each holds a contiguous share of the global batch)."""
         outputs, mask = self.predict(batch), unpack(batch)[3]
         if self.world > 1:
-            outputs, mask = runtime_torch._gathered((outputs, mask))
+            outputs, mask = runtime_torch.gather_rows((outputs, mask))
         return outputs, mask
 
     def _update_metrics(self, y, y_pred, per, weights, mask):
@@ -193,11 +194,11 @@ class Steps:
                 value = variable.value.detach().clone()
                 aggregation = getattr(variable, "aggregation", "sum")
                 if aggregation in ("sum", "mean"):
-                    runtime_torch._dist().all_reduce(value)
+                    torch.distributed.all_reduce(value)
                     if aggregation == "mean":
                         value = value / self.world
                 elif aggregation == "only_first_replica":
-                    runtime_torch._dist().broadcast(value, src=0)
+                    torch.distributed.broadcast(value, src=0)
                 variables.append(variable)
                 values.append(value)
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
