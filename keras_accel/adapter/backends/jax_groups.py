@@ -10,8 +10,8 @@ from step to step on the device exactly as N calls would carry it.
 A group always has the program's length. A short group (the end of an epoch, an evaluation
 of fewer steps than N) is filled with references to its last batch, and a `valid` flag per
 slot says which are real: a filler slot's step is skipped (`lax.cond`), its state and logs
-are the previous slot's. The program is compiled for the largest N a call has asked for;
-smaller groups run in it, so a short group or a shorter evaluation compiles nothing.
+are the previous slot's. The program's length is the first group's N; a longer group runs
+through it in parts, so a short group, a shorter or a longer evaluation compiles nothing.
 
 `scan_steps` is the one implementation: `Accelerator.fit`/`evaluate`/`predict` use it
 through `GroupedSteps` (Keras's `train_function(state, iterator)` contract), the custom
@@ -129,7 +129,8 @@ class GroupedSteps:
         first = next(iterator)  # StopIteration here ends the epoch, as in Keras.
         if self.super_batches and not keras_internals.is_partial_batch_list(first):
             # Keras 3.16 stacks the group itself (`super_batch_iterator`) and places it.
-            stacked, real = first, _leading(first)
+            group, real = first, _leading(first)
+            batches = None
         else:
             # Keras 3.15 hands the iterator of single batches; 3.16 a short last group's.
             batches = list(first) if self.super_batches else [first]
@@ -138,14 +139,32 @@ class GroupedSteps:
                     batches.append(next(iterator))
                 except StopIteration:
                     break
-            stacked, real = _stack(batches), len(batches)
-        if self._compiled is None or max(n, real) > self.length:
+            real = len(batches)
+        if self._compiled is None:
+            # One program per function: its length is the first group's N. A longer group
+            # (an evaluation fusing more steps than the fit's validation did) runs through
+            # it in parts, a shorter one with its empty slots skipped: never another program.
             self.length = max(n, real)
             self._compiled = self._program(state)
-        if real < self.length:  # Empty slots: copies of the last batch, skipped.
-            stacked = jax.tree.map(lambda a: _fill(a, self.length), stacked)
-        valid = np.arange(self.length) < real
-        return self._compiled(state, stacked, valid)
+        results = []
+        for start in range(0, real, self.length):
+            count = min(self.length, real - start)
+            if batches is not None:
+                stacked = _stack(batches[start : start + count])
+            elif count == real:
+                stacked = group
+            else:
+                stacked = jax.tree.map(lambda a, s=start, c=count: a[s : s + c], group)
+            if count < self.length:  # Empty slots: copies of the last batch, skipped.
+                stacked = jax.tree.map(lambda a: _fill(a, self.length), stacked)
+            valid = np.arange(self.length) < count
+            result, state = self._compiled(state, stacked, valid)
+            results.append(result)
+        if self.kind != "predict" or len(results) == 1:
+            return results[-1], state
+        # Predictions of every part, in order: each part's rows (empty slots' rows cut later
+        # with the padding, their row mask 0).
+        return jax.tree.map(lambda *parts: jnp.concatenate(parts), *results), state
 
 
 def _leading(stacked) -> int:
