@@ -21,10 +21,14 @@ python -m pip install -q -e ".[all,test]"
 echo "=== the suite on them"
 bash scripts/test.sh "$@"
 {
-  echo "# The versions the suite last passed with, on both backends (bash scripts/test.sh)."
+  echo "# The versions the suite last passed with, on every backend (bash scripts/test.sh)."
   echo "# The README's commands install with '-c constraints.txt'. Refresh with"
   echo "# 'bash scripts/refresh_constraints.sh' (docs/development.md); written $(date -u +%Y-%m-%d),"
   echo "# Python $(python -c 'import platform; print(platform.python_version())') on $(uname -m) Linux."
-  python -m pip freeze --exclude-editable | grep -v -i '^keras[-_]accel'
+  # `pip freeze --all` pins setuptools and wheel too (torch needs setuptools >= 77, newer
+  # than a new venv's). A local version label (torch's "+cpu") is dropped: no package index
+  # serves it, and "torch==2.13.0" takes the same CPU build where it lies on disk.
+  python -m pip freeze --all --exclude-editable | grep -v -i -E '^(keras[-_]accel|pip)==' |
+    sed -E 's/^([^=]+==[^+]+)\+.*$/\1/' | sort -f
 } > constraints.txt
 echo "=== wrote constraints.txt ($(grep -vc '^#' constraints.txt) pins); review: git diff constraints.txt"
