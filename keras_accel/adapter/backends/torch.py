@@ -532,12 +532,19 @@ def average_gradients(grads, skip=()):
 
 
 def global_result(metric, result):
-    """`metric`'s result over every process's rows: its variables reduced as their
-    `aggregation` says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the
-    chief's), the others ("none") left as this process's."""
+    """`metric`'s result over every process's rows (`reduced_values`)."""
+    values = reduced_values(metric.variables)
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
+        return result()
+
+
+def reduced_values(variables) -> list:
+    """Metric variables' values over every process's rows, reduced as their `aggregation`
+    says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the chief's), the
+    others ("none") left as this process's. The variables keep their own values."""
     dist = _dist()
     values = []
-    for variable in metric.variables:
+    for variable in variables:
         value = variable.value.detach().clone()
         aggregation = getattr(variable, "aggregation", "sum")
         if aggregation in ("sum", "mean"):
@@ -547,8 +554,7 @@ def global_result(metric, result):
         elif aggregation == "only_first_replica":
             dist.broadcast(value, src=0)
         values.append(value)
-    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
-        return result()
+    return values
 
 
 class SameStart(keras.callbacks.Callback):

@@ -188,19 +188,8 @@ class Steps:
         if self.world == 1:
             yield
             return
-        variables, values = [], []
-        for metric in self.loop.all_metrics():
-            for variable in metric.variables:
-                value = variable.value.detach().clone()
-                aggregation = getattr(variable, "aggregation", "sum")
-                if aggregation in ("sum", "mean"):
-                    torch.distributed.all_reduce(value)
-                    if aggregation == "mean":
-                        value = value / self.world
-                elif aggregation == "only_first_replica":
-                    torch.distributed.broadcast(value, src=0)
-                variables.append(variable)
-                values.append(value)
+        variables = [v for metric in self.loop.all_metrics() for v in metric.variables]
+        values = runtime_torch.reduced_values(variables)
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             yield
 
