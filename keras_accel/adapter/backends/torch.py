@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import warnings
 
@@ -33,8 +34,9 @@ import keras
 import numpy as np
 
 from keras_accel.adapter import runtime
+from keras_accel.adapter.backends import torch_rows
 from keras_accel.adapter.patches import Patches
-from keras_accel.adapter.steps import install_global_results, overrides_any_step
+from keras_accel.adapter.steps import after_build, install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
@@ -238,7 +240,18 @@ class Runtime(runtime.Runtime):
                 buckets = GradientBuckets(model.trainable_variables)
                 patches.add(buckets.remove)
                 patches.set(optimizer, "apply", _averaged_apply(optimizer.apply, buckets))
-        install_global_results(patches, model, global_result, when=_in_step)
+            # Per-row random layers draw the global batch's numbers (torch_rows).
+            torch_rows.GlobalRowDraws(self.num_replicas, self.rank).install(patches, model)
+        # Users' metrics update on the global batch (their state need not be a sum);
+        # Keras's own keep theirs and are summed over the processes when read. Installed
+        # before the padding masks, which then wrap the gather (its weights are the mask).
+        gathered = torch_rows.GatheredMetrics(when=_in_step)
+        gathered.install(patches, model.metrics)
+        compiled = keras_internals.compile_metrics(model)
+        if compiled is not None:
+            after_build(patches, compiled, lambda: gathered.install(patches, compiled.metrics))
+        result = functools.partial(global_result, local=gathered.local)
+        install_global_results(patches, model, result, when=_in_step)
 
     def install_outer(self, patches: Patches, model) -> None:
         if self.num_replicas == 1:
@@ -531,22 +544,25 @@ def average_gradients(grads, skip=()):
     return grads
 
 
-def global_result(metric, result):
-    """`metric`'s result over every process's rows (`reduced_values`)."""
-    values = reduced_values(metric.variables)
+def global_result(metric, result, local=frozenset()):
+    """`metric`'s result over every process's rows (`reduced_values`; the variables whose
+    ids are in `local` hold the global state already)."""
+    values = reduced_values(metric.variables, local)
     with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
         return result()
 
 
-def reduced_values(variables) -> list:
+def reduced_values(variables, local=frozenset()) -> list:
     """Metric variables' values over every process's rows, reduced as their `aggregation`
     says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the chief's), the
-    others ("none") left as this process's. The variables keep their own values."""
+    others ("none", and those whose ids are in `local`: users' metrics, updated on the
+    global batch by `torch_rows.GatheredMetrics`) left as this process's. The variables keep
+    their own values."""
     dist = _dist()
     values = []
     for variable in variables:
         value = variable.value.detach().clone()
-        aggregation = getattr(variable, "aggregation", "sum")
+        aggregation = "none" if id(variable) in local else getattr(variable, "aggregation", "sum")
         if aggregation in ("sum", "mean"):
             dist.all_reduce(value)
             if aggregation == "mean":

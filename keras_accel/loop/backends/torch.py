@@ -19,6 +19,7 @@ import torch
 import torch.distributed
 
 from keras_accel.adapter.backends import torch as runtime_torch
+from keras_accel.adapter.backends import torch_rows
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
@@ -38,6 +39,7 @@ class Steps:
         self.runtime = loop.accelerator.runtime
         self.world = self.runtime.num_replicas
         self.traces: dict[str, int] = {}
+        self._gather = torch_rows.RowGather()
 
     # ------------------------------------------------------------------ data
     def distributed(self, batches, training: bool):
@@ -99,6 +101,11 @@ class Steps:
                 self.runtime.all_reduce_sum,
                 self.loop.accelerator.sync_batchnorm,
             )
+            if self.world > 1:
+                # Dropout and the like draw the global batch's numbers, as one process.
+                torch_rows.GlobalRowDraws(self.world, self.runtime.rank).install(
+                    patches, self.loop.model
+                )
             yield
 
     def _forward(self, x, mask, training: bool):
@@ -171,14 +178,21 @@ class Steps:
         return outputs, mask
 
     def _update_metrics(self, y, y_pred, per, weights, mask):
-        # Each process's own rows; `reading()` sums the states over the processes.
+        # Keras's own metrics: each process's own rows; `reading()` sums the states over
+        # the processes. Users' metrics (any state): the global batch's rows, gathered.
         loop = self.loop
         with torch.no_grad():
             loop.loss_tracker.update_state(per * weights, sample_weight=mask)
             for metric in loop.metrics:
-                metric.update_state(y, y_pred, sample_weight=mask)
+                self._update(metric, y, y_pred, mask)
+            weighted = weights * mask
             for metric in loop.weighted_metrics:
-                metric.update_state(y, y_pred, sample_weight=weights * mask)
+                self._update(metric, y, y_pred, weighted)
+
+    def _update(self, metric, y, y_pred, sample_weight):
+        if self.world > 1 and not torch_rows.is_keras_metric(metric):
+            y, y_pred, sample_weight = self._gather.rows(metric, (y, y_pred, sample_weight))
+        metric.update_state(y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------ results
     @contextlib.contextmanager
@@ -188,8 +202,11 @@ class Steps:
         if self.world == 1:
             yield
             return
-        variables = [v for metric in self.loop.all_metrics() for v in metric.variables]
-        values = runtime_torch.reduced_values(variables)
+        metrics = self.loop.all_metrics()
+        variables = [v for metric in metrics for v in metric.variables]
+        # Users' metrics were updated on the global batch: global already.
+        local = {id(v) for m in torch_rows.user_metrics(metrics) for v in m.variables}
+        values = runtime_torch.reduced_values(variables, local)
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             yield
 

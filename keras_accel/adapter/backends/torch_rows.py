@@ -1,0 +1,209 @@
+"""torch: what each process computes over the global batch's rows, so that several processes
+equal one process on the global batch where a per-process computation would not.
+
+Each process of a torch run holds a contiguous share of every static global batch (process
+r the rows `[r * n, (r + 1) * n)` of `P * n`). Two things are not exact from a share alone:
+
+- **a metric's state that is not a sum.** Keras's own metrics keep sums (and counts), which
+  the processes' states add up to (`reduced_values` in the torch backend). A user's metric may
+  keep a running maximum, or a value that no reduction of the processes' states gives. Its
+  `update_state` is given the global batch instead (`GatheredMetrics`): every process gathers
+  the update's inputs (targets, predictions, weights, padding weights included) from every
+  process, in process order, and updates its copy of the metric exactly as one process would;
+  its variables are then already global and are read as they are. Cost: one all-gather per
+  input tensor per step (tensors passed to several such metrics are gathered once), and each
+  process computes the update on the whole batch.
+- **per-row random draws.** A Dropout layer draws its mask with the shape of its input: from
+  the same seed, every process would draw the mask of the global batch's first rows
+  (process 1's mask would be process 0's). During training each such layer (`RANDOM_ROW_LAYERS`)
+  runs on a global-batch-shaped input instead, this process's rows at its offset and zeros
+  elsewhere, and keeps its own rows of the output (`GlobalRowDraws`): every process draws the
+  global batch's mask, as one process does, and the seed generator advances once per call,
+  as in one process. Cost: P times that layer's elementwise work and memory (see
+  docs/accelerator.md, "torch").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+
+from keras_accel.utils import keras_internals
+
+# Layers whose randomness is drawn per row, from the shape of their input's batch: they draw
+# the global batch's numbers in every process. A layer of the user's that draws per row can
+# be added here (its `call(inputs, training=...)` must keep the batch on axis 0).
+RANDOM_ROW_LAYERS: tuple[type, ...] = (
+    keras.layers.Dropout,  # SpatialDropout1D/2D/3D are Dropouts.
+    keras.layers.GaussianNoise,
+    keras.layers.GaussianDropout,
+    keras.layers.AlphaDropout,
+)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def is_keras_metric(metric) -> bool:
+    """Whether `metric` is an instance of one of Keras's own classes, whose state is summed
+    over processes exactly (sums and counts, Keras's default aggregation); a subclass of the
+    user's may keep any state."""
+    return type(metric).__module__.startswith("keras.src.")
+
+
+def user_metrics(metrics):
+    """The metrics in `metrics` (inside Keras's per-output containers too) that update
+    state themselves and are not Keras's own."""
+    for metric in metrics or []:
+        if metric is None:
+            continue
+        inner = getattr(metric, "metrics", None)
+        if is_keras_metric(metric) and isinstance(inner, (list, tuple)) and inner is not metrics:
+            yield from user_metrics(inner)
+        elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
+            yield metric
+
+
+class GatheredMetrics:
+    """Users' metrics updated on the global batch in every process, for one call.
+
+    `local` holds the ids of their variables: global already, so read as they are (the
+    reduction of the others' leaves them alone). `when()` says where every process updates
+    together (inside a step), where the gather meets the other processes; elsewhere (a
+    callback of the chief's) an update stays this process's own.
+    """
+
+    def __init__(self, when: Callable[[], bool] = lambda: True):
+        self.when = when
+        self.local: set[int] = set()
+        self._done: set[int] = set()
+        self._gather = RowGather()
+
+    def install(self, patches, metrics) -> None:
+        for metric in user_metrics(metrics):
+            if id(metric) in self._done:
+                continue
+            self._done.add(id(metric))
+            self.local.update(id(v) for v in metric.variables)
+            patches.set(metric, "update_state", self._gathered(metric, metric.update_state))
+
+    def _gathered(self, metric, original):
+        def update_state(*args, **kwargs):
+            if not self.when():
+                return original(*args, **kwargs)
+            args, kwargs = self._gather.rows(metric, (args, kwargs))
+            return original(*args, **kwargs)
+
+        return update_state
+
+
+class RowGather:
+    """Every process's rows of each tensor, concatenated in process order (the global
+    batch's rows in their order). A tensor seen again (the same predictions passed to two
+    metrics) is gathered once: the last few results are kept with the tensor they came from.
+    """
+
+    KEPT = 16
+
+    def __init__(self):
+        self._kept: dict[int, tuple] = {}
+
+    def rows(self, metric, structure):
+        import torch
+
+        leaves = [leaf for leaf in keras.tree.flatten(structure) if isinstance(leaf, torch.Tensor)]
+        for leaf in leaves:
+            if leaf.ndim == 0:
+                raise ValueError(_scalar_message(metric, leaf))
+        counts = {int(leaf.shape[0]) for leaf in leaves}
+        if len(counts) > 1:
+            raise ValueError(_rows_message(metric, leaves))
+        return keras.tree.map_structure(
+            lambda leaf: self.gather(leaf) if isinstance(leaf, torch.Tensor) else leaf, structure
+        )
+
+    def gather(self, tensor):
+        import torch
+
+        kept = self._kept.get(id(tensor))
+        if kept is not None and kept[0] is tensor:
+            return kept[1]
+        dist = _dist()
+        # gloo gathers no booleans: as bytes, and back.
+        value = tensor.detach()
+        value = (value.to(torch.uint8) if tensor.dtype == torch.bool else value).contiguous()
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, value)
+        gathered = torch.cat(parts, dim=0)
+        if tensor.dtype == torch.bool:
+            gathered = gathered.to(torch.bool)
+        if len(self._kept) >= self.KEPT:
+            self._kept.clear()
+        self._kept[id(tensor)] = (tensor, gathered)
+        return gathered
+
+
+def _scalar_message(metric, leaf) -> str:
+    return (
+        f"The metric {metric.name!r} ({type(metric).__name__}) was updated with a scalar "
+        f"tensor (shape {tuple(leaf.shape)}) in a torch run of {_dist().get_world_size()} "
+        "processes. A metric that is not Keras's own is updated on the global batch's rows, "
+        "gathered from every process, which a value of this process's rows alone (a batch "
+        "loss, a mean) cannot give. Pass per-row values (targets, predictions, weights with "
+        "the batch on axis 0), or track a batch value with keras.metrics.Mean, whose sums "
+        "the processes add up exactly."
+    )
+
+
+def _rows_message(metric, leaves) -> str:
+    shapes = [tuple(leaf.shape) for leaf in leaves]
+    return (
+        f"The metric {metric.name!r} ({type(metric).__name__}) was updated with tensors of "
+        f"different first dimensions {shapes} in a torch run of {_dist().get_world_size()} "
+        "processes. A metric that is not Keras's own is updated on the global batch, each "
+        "tensor's rows gathered from every process along axis 0, so each must hold one "
+        "entry per row of the batch. Pass per-row values only (constants belong in the "
+        "metric's constructor)."
+    )
+
+
+class GlobalRowDraws:
+    """During training, per-row random layers draw the global batch's numbers (see the module
+    docstring): installed per call on the layer instances."""
+
+    def __init__(self, world: int, rank: int):
+        self.world = world
+        self.rank = rank
+
+    def install(self, patches, model) -> int:
+        """Installs on every `RANDOM_ROW_LAYERS` layer of `model`; returns how many."""
+        count = 0
+        for layer in keras_internals.flatten_layers(model):
+            if isinstance(layer, RANDOM_ROW_LAYERS):
+                patches.set(layer, "call", self._global(layer.call))
+                count += 1
+        return count
+
+    def _global(self, original):
+        world, rank = self.world, self.rank
+
+        def call(inputs, training=False):
+            import torch
+
+            if not training or world == 1 or not isinstance(inputs, torch.Tensor):
+                return original(inputs, training=training)
+            rows = inputs.shape[0]
+            # Zeros where the other processes' rows are: the draw depends on the shape
+            # only, and the zeros' outputs are dropped. Concatenated, so the gradient
+            # reaches this process's rows through the layer's own backward.
+            rest = tuple(inputs.shape[1:])
+            before = inputs.new_zeros((rank * rows, *rest))
+            after = inputs.new_zeros(((world - rank - 1) * rows, *rest))
+            outputs = original(torch.cat([before, inputs, after], dim=0), training=training)
+            return outputs[rank * rows : (rank + 1) * rows]
+
+        return call

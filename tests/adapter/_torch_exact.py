@@ -1,0 +1,102 @@
+"""One process of a torch run (or the one-process reference) for what must not depend on the
+process count: custom metrics and per-row randomness. Usage: python _torch_exact.py OUT
+
+45 rows in global batches of 8 (the last batch holds 5 rows: padded, 4 real rows in process
+0 and 1 in process 1), through `Accelerator.fit`, `evaluate` and the custom loop:
+
+- `RunningMax`, a running maximum stored in a variable of Keras's default aggregation "sum"
+  (summing the processes' maxima would be wrong);
+- `RowCount`, whose `result()` returns its variable itself (read outside any reduction);
+- `Dropout(0.3, seed=5)` and an unseeded `GaussianNoise`, training: the global batch's
+  draw, not one draw repeated in every process.
+
+Every process writes what it saw to OUT-<process>.npz.
+"""
+
+import sys
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_accel import Accelerator
+
+
+class RunningMax(keras.metrics.Metric):
+    """The largest predicted probability seen on a real row (weight > 0)."""
+
+    def __init__(self, name="running_max", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_variable((), "zeros", name="value")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        values = ops.max(ops.softmax(y_pred), axis=-1)
+        if sample_weight is not None:
+            values = values * ops.cast(sample_weight > 0, values.dtype)
+        self.value.assign(ops.maximum(self.value, ops.max(values)))
+
+    def result(self):
+        return ops.convert_to_tensor(self.value)
+
+
+class RowCount(keras.metrics.Metric):
+    """The number of real rows seen; `result()` is the variable itself."""
+
+    def __init__(self, name="rows", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable((), "zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        rows = ops.ones_like(y_true, "float32") if sample_weight is None else sample_weight
+        self.count.assign_add(ops.sum(ops.cast(rows, "float32")))
+
+    def result(self):
+        return self.count
+
+
+acc = Accelerator(seed=0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(45, 5)).astype("float32")
+y = rng.integers(0, 3, 45).astype("int32")
+BATCH = 8
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+with acc.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16),
+            keras.layers.Dropout(0.3, seed=5),
+            keras.layers.GaussianNoise(0.5),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.1), LOSS, metrics=[RunningMax(), RowCount()])
+start = [w.copy() for w in model.get_weights()]
+out = {}
+history = acc.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+for name in ("loss", "running_max", "rows"):
+    out[f"fit/{name}"] = np.asarray(history.history[name])
+for i, w in enumerate(model.get_weights()):
+    out[f"fit/w{i}"] = w
+evaluated = acc.evaluate(model, x, y, batch_size=7, verbose=0, return_dict=True)
+for name in ("loss", "running_max", "rows"):
+    out[f"evaluate/{name}"] = np.asarray(evaluated[name])
+
+# The custom loop, from the same start, with its own metrics.
+model.set_weights(start)
+with acc.scope():
+    optimizer = keras.optimizers.SGD(0.1)
+loop = acc.loop(model, optimizer=optimizer, loss=LOSS, metrics=[RunningMax(), RowCount()])
+for epoch in range(2):
+    loop.reset_metrics()
+    for batch in loop.batches(x, y, batch_size=BATCH, epoch=epoch):
+        loop.train_step(batch)
+    for name, value in loop.results().items():
+        out.setdefault(f"loop/{name}", []).append(value)
+for i, w in enumerate(model.get_weights()):
+    out[f"loop/w{i}"] = w
+for name, value in loop.evaluate(x, y, batch_size=7).items():
+    out[f"loop_evaluate/{name}"] = np.asarray(value)
+np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **{k: np.asarray(v) for k, v in out.items()})
