@@ -194,3 +194,102 @@ def test_data_parallel_needs_one_process_per_device():
 
     with pytest.raises(ValueError, match="devices=2 but 1 cpu devices exist"):
         Accelerator(strategy="data_parallel", devices=2)
+
+
+EXACT_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_exact.py")
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory):
+    """One launch of 2 processes and one process, for every check of users' metrics and
+    per-row randomness (tests/adapter/_torch_exact.py)."""
+    work = tmp_path_factory.mktemp("torch-exact")
+    one = _run([sys.executable, EXACT_SCRIPT, str(work / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    two = _run([*launch, EXACT_SCRIPT, str(work / "two")])
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    return [dict(np.load(work / f"{name}.npz")) for name in ("one-0", "two-0", "two-1")]
+
+
+@pytest.mark.parametrize("path", ("fit", "evaluate", "loop", "loop_evaluate"))
+def test_users_metrics_are_the_global_batchs_in_every_process(exact_runs, path):
+    """A running maximum kept in a "sum" variable, and a row count whose result() is its
+    variable: each process reported its own rows before (24 and 21 rows where one process
+    counts 45; the maxima summed), the chief logging a wrong number."""
+    one, first, second = exact_runs
+    for name in ("running_max", "rows", "loss"):
+        key = f"{path}/{name}"
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+    np.testing.assert_array_equal(first[f"{path}/rows"], 45.0)
+
+
+@pytest.mark.parametrize("path", ("fit", "loop"))
+def test_dropout_draws_the_global_batchs_mask(exact_runs, path):
+    """Dropout(0.3, seed=5) and GaussianNoise, 2 epochs on 45 rows in batches of 8: the
+    weights of 2 processes are those of one process on the global batch (with process 1
+    drawing process 0's mask they differed by 0.09)."""
+    one, first, second = exact_runs
+    keys = [k for k in one if k.startswith(f"{path}/w")]
+    assert len(keys) == 4
+    for key in keys:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "make",
+    (
+        lambda: keras.layers.Dropout(0.3, seed=5),
+        lambda: keras.layers.SpatialDropout1D(0.5, seed=3),
+        lambda: keras.layers.GaussianNoise(0.5, seed=2),
+        lambda: keras.layers.GaussianDropout(0.4, seed=4),
+        lambda: keras.layers.AlphaDropout(0.3, seed=6),
+    ),
+)
+def test_a_process_draws_its_rows_of_the_global_batchs_numbers(make):
+    """Process 1 of 3 (rows 4..7 of 12), in this one process: its rows of the global batch's
+    outputs, its gradient those rows' gradient, and the seed generator advanced once, as
+    one process on the global batch."""
+    import torch
+
+    from keras_accel.adapter.backends import torch_rows
+    from keras_accel.adapter.patches import Patches
+
+    x = np.random.default_rng(0).normal(size=(12, 6, 5)).astype("float32")
+    reference, layer = make(), make()
+    whole = torch.tensor(x, requires_grad=True)
+    expected = reference(whole, training=True)
+    expected.sum().backward()
+    model = keras.Sequential([keras.Input((6, 5)), layer])
+    with Patches() as patches:
+        assert torch_rows.GlobalRowDraws(world=3, rank=1).install(patches, model) == 1
+        rows = torch.tensor(x[4:8], requires_grad=True)
+        got = layer(rows, training=True)
+        got.sum().backward()
+        np.testing.assert_array_equal(layer(x[4:8], training=False), x[4:8])
+    assert "call" not in vars(layer)  # Undone with the call.
+    np.testing.assert_array_equal(got.detach().numpy(), expected.detach().numpy()[4:8])
+    np.testing.assert_array_equal(rows.grad.numpy(), whole.grad.numpy()[4:8])
+    assert not np.array_equal(got.detach().numpy(), expected.detach().numpy()[:4])
+    states = [keras.ops.convert_to_numpy(v) for v in (reference.variables + layer.variables)]
+    assert len(states) == 2 and np.array_equal(*states)  # The seed generators' states.
+
+
+def test_a_users_metric_updated_with_a_batch_value_is_refused_by_name():
+    from keras_accel.adapter.backends import torch_rows
+
+    class BatchMax(keras.metrics.Metric):
+        def update_state(self, value):
+            pass
+
+        def result(self):
+            return 0.0
+
+    metric = BatchMax(name="batch_max")
+    assert list(torch_rows.user_metrics([keras.metrics.Mean(), metric])) == [metric]
+    with pytest.raises(ValueError, match=r"'batch_max' \(BatchMax\) was updated with a scalar"):
+        torch_rows.RowGather().rows(metric, ((keras.ops.convert_to_tensor(1.0),), {}))
+    with pytest.raises(ValueError, match=r"different first dimensions \[\(4, 3\), \(3,\)\]"):
+        torch_rows.RowGather().rows(metric, ((keras.ops.ones((4, 3)), keras.ops.ones(3)), {}))

@@ -150,12 +150,12 @@ class RowGather:
 def _scalar_message(metric, leaf) -> str:
     return (
         f"The metric {metric.name!r} ({type(metric).__name__}) was updated with a scalar "
-        f"tensor (shape {tuple(leaf.shape)}) in a torch run of {_dist().get_world_size()} "
-        "processes. A metric that is not Keras's own is updated on the global batch's rows, "
-        "gathered from every process, which a value of this process's rows alone (a batch "
-        "loss, a mean) cannot give. Pass per-row values (targets, predictions, weights with "
-        "the batch on axis 0), or track a batch value with keras.metrics.Mean, whose sums "
-        "the processes add up exactly."
+        f"tensor (shape {tuple(leaf.shape)}) in a torch run of several processes. A metric "
+        "that is not Keras's own is updated on the global batch's rows, gathered from every "
+        "process, which a value of this process's rows alone (a batch loss, a mean) cannot "
+        "give. Pass per-row values (targets, predictions, weights with the batch on axis 0), "
+        "or track a batch value with keras.metrics.Mean, whose sums the processes add up "
+        "exactly."
     )
 
 
@@ -163,11 +163,10 @@ def _rows_message(metric, leaves) -> str:
     shapes = [tuple(leaf.shape) for leaf in leaves]
     return (
         f"The metric {metric.name!r} ({type(metric).__name__}) was updated with tensors of "
-        f"different first dimensions {shapes} in a torch run of {_dist().get_world_size()} "
-        "processes. A metric that is not Keras's own is updated on the global batch, each "
-        "tensor's rows gathered from every process along axis 0, so each must hold one "
-        "entry per row of the batch. Pass per-row values only (constants belong in the "
-        "metric's constructor)."
+        f"different first dimensions {shapes} in a torch run of several processes. A metric "
+        "that is not Keras's own is updated on the global batch, each tensor's rows gathered "
+        "from every process along axis 0, so each must hold one entry per row of the batch. "
+        "Pass per-row values only (constants belong in the metric's constructor)."
     )
 
 
