@@ -23,7 +23,7 @@ from keras_accel.benchmark.spec import (
     model_reference,
     parse_backends,
 )
-from keras_accel.benchmark.sweep import Progress, _model_paths
+from keras_accel.benchmark.sweep import Progress, model_paths
 
 
 class BatchSizeSearchError(RuntimeError):
@@ -206,7 +206,7 @@ def find_batch_size(
             f"`start` must not exceed `max_batch_size`. Received: start={start}, "
             f"max_batch_size={max_batch_size} (multiple_of={multiple_of})."
         )
-    extra_paths = _model_paths(model)
+    extra_paths = model_paths(model)
     bar = Progress(0, enabled=progress)
 
     def trial(size: int) -> Try:

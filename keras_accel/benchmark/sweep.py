@@ -172,7 +172,7 @@ def run_benchmark(
     _check_strategy(strategy)
     check_sweep(reference, sizes, samples, epochs, synthetic)
 
-    extra_paths = _model_paths(model)
+    extra_paths = model_paths(model)
     config = {
         "model": reference,
         "batch_sizes": list(sizes),
@@ -251,7 +251,7 @@ def _check_strategy(strategy: str) -> None:
         )
 
 
-def _model_paths(model) -> list[str]:
+def model_paths(model) -> list[str]:
     """Where a model function's top-level package lives, so the child can import it."""
     module_name = getattr(model, "__module__", None) if callable(model) else None
     if module_name is None and isinstance(model, str) and ":" in model:

@@ -23,7 +23,7 @@ from keras_accel.utils import keras_internals
 
 LOCK_NAME = ".lock"
 
-# Locks held by this process: directory -> the holder, to tell a second callback in this
+# Locks held by this process: directory -> the lock, to tell a second callback in this
 # process (an error while the first one trains) from a leftover of an aborted fit.
 _HELD: dict[str, weakref.ref] = {}
 
@@ -41,12 +41,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirectoryLock:
-    def __init__(self, directory: str, timeout: float | None, owner):
+    """The lock of `directory`, held for the callback `owner`; `in_fit()` (a method of
+    `owner`) says whether the owner's fit is running now. Both are held weakly."""
+
+    def __init__(self, directory: str, timeout: float | None, owner, in_fit):
         self.directory = directory
         self.path = files.join(directory, LOCK_NAME)
         self.timeout = timeout
         self.token = uuid.uuid4().hex
         self._owner = weakref.ref(owner)
+        self._in_fit = weakref.WeakMethod(in_fit)
         self._held = False
         self._last_beat = 0.0
 
@@ -89,9 +93,9 @@ class DirectoryLock:
             # or Ctrl-C ended (Keras skips on_train_end then): a notebook's next cell.
             return not (
                 other is not None
-                and other is not self._owner()
-                and other._in_fit()
-                and keras_internals.callback_model(other) is not owner_model
+                and other is not self
+                and other._running()
+                and keras_internals.callback_model(other._owner()) is not owner_model
             )
         if same_host and isinstance(pid, int):
             return not _pid_alive(pid)
@@ -128,7 +132,12 @@ class DirectoryLock:
                 "moment. Give each run its own backup_dir."
             )
         self._held = True
-        _HELD[self.directory] = self._owner
+        _HELD[self.directory] = weakref.ref(self)
+
+    def _running(self) -> bool:
+        """Whether the owner is alive and its fit is running now."""
+        in_fit = self._in_fit()
+        return self._owner() is not None and in_fit is not None and in_fit()
 
     def _write(self) -> None:
         files.write_atomic(self.path, json.dumps(self._record()))
@@ -146,7 +155,8 @@ class DirectoryLock:
         if not self._held:
             return
         self._held = False
-        if _HELD.get(self.directory) is self._owner:
+        held = _HELD.get(self.directory)
+        if held is not None and held() is self:
             del _HELD[self.directory]
         holder = self._read()
         if holder is not None and holder.get("token") == self.token:

@@ -4,7 +4,6 @@ rotated, resumed exactly."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import inspect
 import json
@@ -12,7 +11,6 @@ import math
 import os
 import sys
 import tempfile
-import threading
 import time
 import warnings
 import weakref
@@ -25,7 +23,7 @@ from keras_accel.callbacks._preemption import Preempted, Watch
 from keras_accel.callbacks.history import History
 from keras_accel.callbacks.learning_rate import optimizer_rate
 from keras_accel.state import engines, files, tree
-from keras_accel.utils import keras_internals, process
+from keras_accel.utils import keras_internals, library_internals, process
 from keras_accel.utils.checks import check_positive_int
 from keras_accel.utils.printing import print_msg
 
@@ -77,9 +75,8 @@ def _wait_at_exit() -> None:
     _AT_EXIT = True
     # Before threading's own exit hooks, which shut down concurrent.futures' pools (Orbax
     # writes through them); registered later, it runs earlier. atexit runs too late.
-    register = getattr(threading, "_register_atexit", None)
     with contextlib.suppress(RuntimeError):  # Raised when already shutting down.
-        (register or atexit.register)(_finish_saves_at_exit)
+        library_internals.register_before_thread_pools_shutdown(_finish_saves_at_exit)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -266,7 +263,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_on_background = bool(save_on_background)
         self.partial_restore = bool(partial_restore)
         self._engine = None
-        self._lock = DirectoryLock(backup_dir, lock_timeout, self)
+        self._lock = DirectoryLock(backup_dir, lock_timeout, self, self._in_fit)
         self._training = False
         # Keras's names and meaning (code and Keras's tests read them): the epoch in progress
         # (after an epoch ends: the number of epochs done), and the index of the last training
@@ -1013,7 +1010,7 @@ def _on_a_stack(ref: weakref.ref) -> bool:
     target = ref()
     if target is None:
         return False
-    for top in sys._current_frames().values():
+    for top in library_internals.current_frames().values():
         frame = top
         while frame is not None:
             if frame is not here and any(value is target for value in frame.f_locals.values()):

@@ -9,6 +9,8 @@ module-level and class-level ones against the installed Keras, once per process,
 renames one fails loudly, naming the Keras version and the name, instead of quietly doing
 nothing. Code elsewhere reads these names through the accessors below only
 (tests/utils/test_keras_internals_only.py reads the package's source to hold it to that).
+The private names of other libraries (Python, torch, TensorFlow's own, JAX, Grain) are
+listed beside this module, in `keras_accel.utils.library_internals`.
 
 Each internal is found by *what it is*, not by a module path Keras may reorganise: an
 attribute of a public class (`keras.Model._symbolic_build`; `keras.Model`'s MRO holds the
@@ -22,18 +24,17 @@ the last resort, where no public object leads to the name.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
+from keras_accel.utils.library_internals import InternalsError
 from keras_accel.utils.optimizers import inner_optimizer
 
 # The Keras minor versions the suite passed on (pyproject.toml's range admits these only; 3.16
@@ -206,35 +207,17 @@ REQUIRED: list[Internal] = [
     Internal("CompileMetrics", "metrics", "the compiled metrics", _COMPILE_METRICS),
     # keras_accel.callbacks: ModelCheckpoint extends Keras's through these hooks, and every
     # callback reads its model as `self._model` (Keras's `model` property syncs JAX state).
-    Internal(
-        "keras.callbacks.ModelCheckpoint",
-        "_save_model",
-        "ModelCheckpoint's chief-only save",
-        _public("keras.callbacks.ModelCheckpoint"),
-    ),
-    Internal(
-        "keras.callbacks.ModelCheckpoint",
-        "_get_file_path",
-        "ModelCheckpoint's file names",
-        _public("keras.callbacks.ModelCheckpoint"),
-    ),
-    Internal(
-        "keras.callbacks.ModelCheckpoint",
-        "_should_save_model",
-        "ModelCheckpoint's best value",
-        _public("keras.callbacks.ModelCheckpoint"),
-    ),
-    Internal(
-        "keras.callbacks.ModelCheckpoint",
-        "_set_monitor_op",
-        "ModelCheckpoint's best value in a backup",
-        _public("keras.callbacks.ModelCheckpoint"),
-    ),
-    Internal(
-        "keras.callbacks.ModelCheckpoint",
-        "_is_improvement",
-        "ModelCheckpoint's best value in a backup",
-        _public("keras.callbacks.ModelCheckpoint"),
+    *(
+        Internal(
+            "keras.callbacks.ModelCheckpoint", name, why, _public("keras.callbacks.ModelCheckpoint")
+        )
+        for name, why in {
+            "_save_model": "ModelCheckpoint's chief-only save",
+            "_get_file_path": "ModelCheckpoint's file names",
+            "_should_save_model": "ModelCheckpoint's best value",
+            "_set_monitor_op": "ModelCheckpoint's best value in a backup",
+            "_is_improvement": "ModelCheckpoint's best value in a backup",
+        }.items()
     ),
     Internal(
         "keras.callbacks.Callback()",
@@ -326,7 +309,7 @@ REQUIRED_TENSORFLOW: list[Internal] = [
 ]
 
 
-class KerasInternalsError(RuntimeError):
+class KerasInternalsError(InternalsError):
     """A Keras internal that keras_accel relies on is missing from the installed Keras."""
 
 
@@ -466,13 +449,27 @@ def get_data_adapter():
     return _holder("get_data_adapter").get_data_adapter
 
 
+def keras_scans_steps() -> bool:
+    """Whether Keras's own JAX trainer runs `steps_per_execution` > 1 steps in one compiled
+    scan (Keras 3.16: keras-team/keras#23527), rather than as a host loop of the one-step
+    program (Keras 3.15). Read from the public contract that release changed: its
+    `DataAdapter.get_jax_iterator(super_batch=None)` asks an adapter for stacked groups."""
+    get_jax_iterator = data_adapter_class().get_jax_iterator
+    return "super_batch" in inspect.signature(get_jax_iterator).parameters
+
+
+def _data_adapter_utils():
+    """Keras's `data_adapter_utils`, found beside `keras.utils.PyDataset`'s adapter (which
+    stacks its groups with it); None where that module does not import it."""
+    return getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
+
+
 def super_batch_iterator():
-    """Keras 3.16's `data_adapter_utils.super_batch_iterator`: N batches stacked into one
-    (what its JAX trainer asks a DataAdapter for under `steps_per_execution` > 1), found
-    beside `keras.utils.PyDataset`'s adapter, which stacks its batches with it. Keras 3.15
-    never asks for it, so it is not in the checked list: only a Keras that asks gets here."""
-    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
-    function = getattr(utils, "super_batch_iterator", None)
+    """Keras 3.16's `data_adapter_utils.super_batch_iterator`: N batches stacked into one,
+    the short last group as a `PartialBatchList` (what its JAX trainer tells apart). Keras
+    has no public name for either. Only a Keras that asks (`keras_scans_steps()`) gets here,
+    so it is not in the checked list, which 3.15 must pass."""
+    function = getattr(_data_adapter_utils(), "super_batch_iterator", None)
     if function is None:
         raise _error(
             "keras.utils.PyDataset's module",
@@ -482,20 +479,10 @@ def super_batch_iterator():
     return function
 
 
-def keras_scans_steps() -> bool:
-    """Whether Keras's own JAX trainer runs `steps_per_execution` > 1 steps in one compiled
-    scan (Keras 3.16: keras-team/keras#23527, which asks data adapters for stacked groups
-    through `super_batch_iterator`), rather than as a host loop of the one-step program
-    (Keras 3.15). Read from what that release added, not from the version string."""
-    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
-    return getattr(utils, "super_batch_iterator", None) is not None
-
-
 def is_partial_batch_list(item) -> bool:
     """Whether `item` is Keras 3.16's `PartialBatchList`: the batches of a short last group,
     which its JAX epoch iterator yields as a list where full groups come stacked."""
-    utils = getattr(_module_of("keras.utils.PyDataset")(), "data_adapter_utils", None)
-    kind = getattr(utils, "PartialBatchList", None)
+    kind = getattr(_data_adapter_utils(), "PartialBatchList", None)
     return kind is not None and isinstance(item, kind)
 
 
@@ -815,63 +802,6 @@ def set_keras_mask(tensor, mask) -> None:
     _LOSS_MASKING().set_keras_mask(tensor, mask)
 
 
-def tf_auto_shard_dataset() -> type:
-    """TensorFlow's `_AutoShardDataset` (tensorflow.python.data.experimental.ops.distribute,
-    what `tf.distribute` applies to shard a pipeline by its files; no public name reaches
-    it), checked against TensorFlow 2.21."""
-    try:
-        from tensorflow.python.data.experimental.ops import distribute
-
-        return distribute._AutoShardDataset
-    except (ImportError, AttributeError):
-        raise _error(
-            "tensorflow.python.data.experimental.ops.distribute",
-            "_AutoShardDataset",
-            "each process reading its own files of a tf.data pipeline",
-            library="TensorFlow",
-        ) from None
-
-
-_DEVICE_DATASETS_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def tf_device_datasets_without_autotune():
-    """While open, each device's data set of a `tf.distribute` iterator made on any thread
-    runs without tf.data's autotuning thread (`keras_accel.adapter.backends.tensorflow.
-    runtime.Distributed` says why); everything else about them is TensorFlow's.
-
-    TensorFlow's `MultiDeviceIterator` builds them in `tensorflow.python.data.ops.
-    multi_device_iterator_ops._create_device_dataset` (a generator over the host iterator
-    and a prefetch, with default options; no public name reaches them), checked against
-    TensorFlow 2.21. A TensorFlow without it leaves them as they are, never an error: it
-    costs the wait, it changes no number. The module's name is restored on the way out."""
-    try:
-        from tensorflow.python.data.ops import multi_device_iterator_ops as module
-    except ImportError:
-        module = None
-    if getattr(module, "_create_device_dataset", None) is None:
-        yield
-        return
-    import tensorflow as tf
-
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    # One thread at a time, and the original read under the lock: a thread that read it
-    # while another's replacement was in place would put that replacement back for good.
-    with _DEVICE_DATASETS_LOCK:
-        original = module._create_device_dataset
-
-        def without_autotune(*args, **kwargs):
-            return original(*args, **kwargs).with_options(options)
-
-        module._create_device_dataset = without_autotune
-        try:
-            yield
-        finally:
-            module._create_device_dataset = original
-
-
 def calling_callback_list(callback):
     """The `keras.callbacks.CallbackList` whose hook is calling `callback`'s, or None where
     none is (hooks called directly).
@@ -895,45 +825,11 @@ def calling_callback_list(callback):
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class GrainBatching:
-    """How a Grain `MapDataset.batch(...)` batches its parent (`grain_batching`)."""
-
-    parent: Any  # The MapDataset whose elements are batched.
-    batch_size: int
-    drop_remainder: bool
-    batch_fn: Callable | None
-    read_options: Any  # `to_iter_dataset(read_options)`'s; None for a MapDataset.
-
-
-def grain_batching(dataset) -> GrainBatching | None:
-    """The batching of a Grain data set that is `parent.batch(n)` (a `MapDataset`), or that
-    made into an `IterDataset` by `.to_iter_dataset()`; None for any other Grain data set.
-
-    Grain's `BatchMapDataset` and `PrefetchIterDataset` keep their arguments private
-    (`_batch_size`, `_drop_remainder`, `_batch_fn`, `_read_options`); their parents are
-    public (`parents`). Checked against Grain 0.2.18. A Grain without them gives None (and
-    every process reads the whole data set, as for any other stream), never an error: each
-    process reading only its own rows saves reading, it changes no number.
-    """
-    read_options = None
-    name = type(dataset).__name__
-    if name == "PrefetchIterDataset":
-        read_options = getattr(dataset, "_read_options", None)
-        parents = getattr(dataset, "parents", ())
-        if read_options is None or len(parents) != 1:
-            return None
-        dataset, name = parents[0], type(parents[0]).__name__
-    if name != "BatchMapDataset" or not type(dataset).__module__.startswith("grain."):
-        return None
-    try:
-        (parent,) = dataset.parents
-        return GrainBatching(
-            parent=parent,
-            batch_size=int(dataset._batch_size),
-            drop_remainder=bool(dataset._drop_remainder),
-            batch_fn=dataset._batch_fn,
-            read_options=read_options,
-        )
-    except (AttributeError, TypeError, ValueError):
-        return None
+# Moved to `library_internals` (TensorFlow's and Grain's own internals): these names stay
+# until data/tfdata.py, data/grain.py and adapter/backends/tensorflow/runtime.py read them
+# from there.
+from keras_accel.utils.library_internals import (  # noqa: E402, F401
+    grain_batching,
+    tf_auto_shard_dataset,
+    tf_device_datasets_without_autotune,
+)

@@ -12,6 +12,7 @@ import pytest
 from keras_accel.utils import keras_internals
 
 ON_TF = keras.backend.backend() == "tensorflow"
+pytestmark = pytest.mark.torch  # The internals are checked on every backend.
 
 
 @pytest.fixture(autouse=True)
@@ -197,16 +198,3 @@ def test_check_model_names_a_missing_instance_attribute(monkeypatch):
                 keras_internals.check_model(_compiled_model())
         assert "`_renamed_in_keras_9`" in str(caught.value)
         assert f"Keras {keras.__version__} does not have" in str(caught.value)
-
-
-@pytest.mark.skipif(not ON_TF, reason="a TensorFlow internal")
-def test_a_missing_tensorflow_internal_names_the_tensorflow_version(monkeypatch):
-    import tensorflow as tf
-    from tensorflow.python.data.experimental.ops import distribute
-
-    assert keras_internals.tf_auto_shard_dataset() is distribute._AutoShardDataset
-    monkeypatch.delattr(distribute, "_AutoShardDataset")
-    with pytest.raises(keras_internals.KerasInternalsError) as caught:
-        keras_internals.tf_auto_shard_dataset()
-    assert "TensorFlow internal `_AutoShardDataset`" in str(caught.value)
-    assert f"TensorFlow {tf.__version__}" in str(caught.value)

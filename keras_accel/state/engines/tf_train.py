@@ -51,12 +51,9 @@ def supports(path: str) -> bool:
 
 def _gfile_schemes() -> set[str]:
     schemes = {"gs", "ram"}
-    try:
-        from tensorflow.python.lib.io import file_io
-
-        schemes |= set(file_io.get_registered_schemes())
-    except (ImportError, AttributeError):
-        pass
+    get_registered = getattr(tf.io.gfile, "get_registered_schemes", None)  # TF >= 2.13.
+    if get_registered is not None:
+        schemes |= set(get_registered())
     return schemes
 
 

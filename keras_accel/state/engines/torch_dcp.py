@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from keras_accel.state import files
-from keras_accel.utils import process
+from keras_accel.utils import library_internals, process
 
 NAME = "torch.distributed.checkpoint"
 WRITES = "local paths and URLs of the file systems fsspec has (gs:// with gcsfs, s3:// with s3fs)"
@@ -266,15 +266,8 @@ class Engine:
 def _save_alone(state: dict, writer) -> None:
     """One process's DCP save, without the UserWarning with which `dcp.save` says that it
     saves in one process: in the background thread no filter of ours can hold it back where
-    the caller turned warnings into errors (`-W error`), and the save would fail on it.
-    DCP's own saver behind `dcp.save`, as `dcp.save` calls it."""
-    from torch.distributed.checkpoint import state_dict_saver
-
-    saver = getattr(state_dict_saver, "_save_state_dict", None)
-    if saver is None:  # pragma: no cover - a torch that moved it
-        dcp.save(state, storage_writer=writer, no_dist=True)
-        return
-    saver(state_dict=state, storage_writer=writer, no_dist=True)
+    the caller turned warnings into errors (`-W error`), and the save would fail on it."""
+    library_internals.dcp_save_in_one_process(state, writer)
 
 
 _EXECUTOR: list = []
@@ -338,19 +331,13 @@ def _tensor(variable) -> torch.Tensor:
 
 def _writer(path: str):
     if files.is_remote(path):
-        # DCP's fsspec storage is not exported by torch.distributed.checkpoint (2.13): its
-        # module is named as torch's own tests and torchtitan import it.
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(path)
+        return library_internals.dcp_fsspec_writer(path)
     return dcp.FileSystemWriter(path)
 
 
 def _reader(path: str):
     if files.is_remote(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(path)
+        return library_internals.dcp_fsspec_reader(path)
     return dcp.FileSystemReader(path)
 
 
