@@ -19,7 +19,7 @@ from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.layouts import LayoutReport
 from keras_accel.adapter.pipeline import is_pipeline, preprocessor, with_made_targets
 from keras_accel.adapter.session import FunctionCache, Session
-from keras_accel.adapter.steps import StepContract, overrides
+from keras_accel.adapter.steps import StepContract, honours_sample_weight, overrides
 from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
@@ -340,7 +340,8 @@ class Accelerator:
                 "fit got none. Received: y=None. Pass y (or a data set that yields (x, y)), "
                 "or compile without `loss=` if the model adds its own losses (add_loss)."
             )
-        custom = not builtin and not batches.weighted
+        # A step of the user's is given padding rows (weighted 0) if it honours weights.
+        custom = not builtin and not batches.weighted and not honours_sample_weight(model)
         blind = not batches.has_targets or custom
         if not blind and batches.plan.pads and builtin:
             return self._exact_training(model, batches, make)
@@ -869,6 +870,11 @@ def _first_batch(data, batches, contract: StepContract):
     x, y, sample_weight = keras.tree.map_structure(_symbolic_text, (x, y, sample_weight))
     if y is None:
         return (x,)
+    if not contract.user_weighted:
+        # Only the row mask, shaped in the step by each loss's rank (`_weighted`): building
+        # needs no weights, and a row's weight of shape (rows,) cannot meet a loss with one
+        # value per time step.
+        sample_weight = None
     return (x, y, sample_weight) if contract.pass_weights else (x, y)
 
 

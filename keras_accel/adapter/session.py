@@ -23,8 +23,10 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import (
     STEP_KINDS,
     StepContract,
+    install_loss_masks,
     install_loss_trackers,
     install_metric_masks,
+    install_own_metrics,
     install_steps,
 )
 from keras_accel.utils import keras_internals
@@ -172,6 +174,8 @@ class Session:
         )
         runtime.install_outer(patches, model)  # What must wrap our step wrappers.
         install_metric_masks(patches, model)
+        install_loss_masks(patches, model, runtime.row_count)
+        install_own_metrics(patches, model)
         if keras_internals.loss_tracker(model) is not None:
             install_loss_trackers(patches, model)
         install_batchnorm(patches, model, runtime.all_reduce_sum, self.sync_batchnorm)

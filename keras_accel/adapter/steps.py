@@ -68,6 +68,41 @@ def overrides(model, kind: str) -> bool:
     return getattr(type(model), name) is not getattr(keras.Model, name)
 
 
+def honours_sample_weight(model, kind: str = "train") -> bool:
+    """Whether `model`'s own `{kind}_step` reads `sample_weight` and hands it on, as the
+    weighted step of Keras's guide "Customizing what happens in fit()" does
+    (`x, y, sample_weight = data` or `keras.utils.unpack_x_y_sample_weight(data)`, then
+    `compute_loss(..., sample_weight=sample_weight)`): such a step can be given padding rows
+    weighted 0, and is by default. Read from the method's source: a call that passes
+    something other than None as `sample_weight=`, or a read of a variable named
+    `sample_weight` (one only unpacked and never read does not count). A step whose source
+    cannot be read (made at run time) counts as not honouring it, and its last partial
+    batch is dropped as before."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(getattr(type(model), f"{kind}_step")))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Name)
+            and node.id == "sample_weight"
+            and isinstance(node.ctx, ast.Load)
+        ):
+            return True
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                if keyword.arg == "sample_weight" and not (
+                    isinstance(keyword.value, ast.Constant) and keyword.value.value is None
+                ):
+                    return True
+    return False
+
+
 def overrides_any_step(model) -> bool:
     return any(overrides(model, kind) for kind in STEP_KINDS)
 
@@ -105,7 +140,9 @@ def _wrap(model, kind, original, contracts, record, row_count):
         counted = None
         if padded and y is not None and row_count is not None:
             counted = _once_per_trace(lambda: row_count(row_mask))
-            sample_weight = _weighted(sample_weight, row_mask, counted)
+            # Without the user's weights the batch's weights are the row mask again.
+            given = sample_weight if contract.user_weighted else None
+            sample_weight = _weighted(given, row_mask, counted, _loss_ranks(model, x, y))
         if y is None:
             user = (x,)
         elif contract.pass_weights:
@@ -138,16 +175,60 @@ def _wrap(model, kind, original, contracts, record, row_count):
     return step
 
 
-def _weighted(sample_weight, row_mask, counted):
+def _weighted(sample_weight, row_mask, counted, loss_ranks):
     """A padded batch's weights as the step sees them: the user's (or 1) on real rows, 0 on
     padding, times `static rows / real rows`, so that a loss averaged over the batch
     (Keras's `sum_over_batch_size`) is the mean over its real rows. The real rows are
-    counted from the mask, globally (`row_count`): nothing about the data set is needed."""
+    counted from the mask, globally (`row_count`): nothing about the data set is needed.
+
+    The weights have the rank of what they weight, so that they broadcast over a loss with
+    one value per time step (or pixel): the user's own weights keep theirs (a temporal
+    `(rows, steps)` weight gets the mask as `(rows, 1)`); without them, the rank of each
+    output's loss (`loss_ranks`, one per output, or one for all), the row mask shaped
+    `(rows, 1, ...)`. Keras's own losses and metrics squeeze or broadcast these as they do
+    a user's weights of that rank."""
     mask = ops.cast(row_mask, "float32")
-    weights = mask if sample_weight is None else ops.cast(sample_weight, "float32")
     static = ops.cast(ops.shape(mask)[0], "float32")
     scale = ops.divide(static, ops.cast(counted(), "float32"))
-    return ops.multiply(weights, scale)
+    if sample_weight is None:
+        weights = keras.tree.map_structure(lambda rank: _with_rank(mask, rank), loss_ranks)
+    else:
+        weights = keras.tree.map_structure(
+            lambda w: ops.multiply(ops.cast(w, "float32"), _with_rank(mask, len(w.shape))),
+            sample_weight,
+        )
+    return keras.tree.map_structure(lambda w: ops.multiply(w, scale), weights)
+
+
+def _with_rank(row_mask, rank: int):
+    """The row mask `(rows,)` as `(rows, 1, ..., 1)` of `rank` dimensions (at least 1)."""
+    if rank <= 1:
+        return row_mask
+    return ops.reshape(row_mask, (-1,) + (1,) * (rank - 1))
+
+
+def _loss_ranks(model, x, y):
+    """The rank of the values each output's loss has before it is reduced, as Keras's losses
+    compute them: one value per row and per position, the last axis of the prediction
+    reduced (`(rows, steps)` for a prediction `(rows, steps, classes)`, `(rows,)` for
+    `(rows, classes)`). One int for every output alike, else a structure like `y`.
+
+    Read from the model's symbolic outputs, else its output spec for `x` (traced once per
+    step trace, without running it); where neither is known, from the targets' ranks, which
+    is right for sparse targets and one rank too many (squeezed by Keras) for dense ones."""
+    ranks = None
+    try:
+        # Functional and Sequential models have symbolic outputs; a subclassed one has none.
+        outputs = getattr(model, "outputs", None) or model.compute_output_spec(x)
+        ranks = [max(1, len(leaf.shape) - 1) for leaf in keras.tree.flatten(outputs)]
+    except Exception:  # A subclassed model Keras cannot trace symbolically.
+        ranks = None
+    targets = keras.tree.flatten(y)
+    if ranks is None or len(ranks) != len(targets):
+        ranks = [max(1, len(leaf.shape)) for leaf in targets]
+    if len(set(ranks)) == 1:
+        return ranks[0]
+    return keras.tree.pack_sequence_as(y, ranks)
 
 
 def _once_per_trace(fn: Callable) -> Callable:
@@ -197,6 +278,89 @@ def install_metric_masks(patches: Patches, model) -> None:
     after_build(patches, compiled, install)
 
 
+def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
+    """Make a loss over masked time steps (a prediction carrying a Keras mask, from
+    `Embedding(mask_zero=True)` or `Masking`) the mean over the real rows' unmasked steps of
+    the global batch, as one device computes it on the real rows alone.
+
+    Keras divides such a loss by the unmasked steps it sees (`apply_mask`). Two things
+    break that here: a padded batch's real rows carry weights `static / real rows` (right
+    for a mean over rows, wrong for one over steps), and where each replica or process runs
+    its own program each divides by its own steps, so their mean is not the global one. So
+    for the duration of the loss the mask is folded into the weights instead: mask (padding
+    rows out) times `steps in this batch / unmasked steps` counted over every replica
+    (`row_count`, which sums a mask globally and divides by the replica count), the user's
+    weights kept. Keras's own reduction of those weights then gives the global mean. The
+    prediction's mask is put back after the loss: the metrics read it (their weights are
+    the row mask, unscaled, so they are exact with it).
+
+    Done wherever a prediction carries a mask, one device included: there it computes what
+    Keras does, and it spares the user's weights Keras's in-place `sample_weight *= mask`
+    on torch (keras/src/losses/loss.py, `apply_mask`), after which Keras's
+    `weighted_metrics` read weights rescaled by each batch's unmasked fraction."""
+    compiled = keras_internals.compile_loss(model)
+    if compiled is None:
+        return
+    original = compiled.call
+
+    def call(y_true, y_pred, sample_weight=None):
+        leaves = keras.tree.flatten(y_pred)
+        masks = [keras_internals.keras_mask(leaf) for leaf in leaves]
+        row_mask, counted = ROW_MASK.get(), _ROW_COUNT.get()
+        padded = row_mask is not None and counted is not None
+        if all(m is None for m in masks):
+            return original(y_true, y_pred, sample_weight)
+        if padded:  # Back to the user's weights (or the row mask): the mask normalises now.
+            static = ops.cast(ops.shape(row_mask)[0], "float32")
+            scale = ops.divide(static, ops.cast(counted(), "float32"))
+            sample_weight = keras.tree.map_structure(
+                lambda w: ops.divide(w, ops.cast(scale, w.dtype)), sample_weight
+            )
+        nested = sample_weight is not None and keras.tree.is_nested(sample_weight)
+        given = keras.tree.flatten(sample_weight) if nested else [sample_weight] * len(leaves)
+        if len(given) != len(leaves):
+            return original(y_true, y_pred, sample_weight)
+        weights = []
+        for mask, weight in zip(masks, given):
+            if mask is None:
+                weights.append(weight)
+                continue
+            folded = ops.cast(mask, "float32")
+            if row_mask is not None:
+                folded = ops.multiply(
+                    folded, _with_rank(ops.cast(row_mask, "float32"), len(folded.shape))
+                )
+            steps = ops.cast(ops.size(folded), "float32")
+            folded = ops.multiply(folded, ops.divide(steps, ops.cast(row_count(folded), "float32")))
+            if weight is not None:
+                weight, folded = _same_rank(ops.cast(weight, "float32"), folded)
+                folded = ops.multiply(folded, weight)
+            weights.append(folded)
+        for leaf, mask in zip(leaves, masks):
+            if mask is not None:
+                keras_internals.set_keras_mask(leaf, None)
+        try:
+            if len(leaves) == 1 and not nested:
+                return original(y_true, y_pred, weights[0])
+            return original(y_true, y_pred, keras.tree.pack_sequence_as(y_pred, weights))
+        finally:
+            for leaf, mask in zip(leaves, masks):
+                if mask is not None:
+                    keras_internals.set_keras_mask(leaf, mask)
+
+    patches.set(compiled, "call", call)
+
+
+def _same_rank(weight, mask):
+    """A weight and a mask of one value per step, brought to one rank as Keras does
+    (`squeeze_or_expand_to_same_rank`): a `(rows, 1)` weight broadcasts over the steps."""
+    if len(weight.shape) == len(mask.shape) + 1 and weight.shape[-1] == 1:
+        weight = ops.squeeze(weight, axis=-1)
+    elif len(weight.shape) == 1 and len(mask.shape) > 1:
+        weight = _with_rank(weight, len(mask.shape))
+    return weight, mask
+
+
 def after_build(patches: Patches, container, install: Callable) -> None:
     """Run `install` now if `container` (Keras's CompileMetrics or CompileLoss) is built,
     else right after Keras builds it (at the first trace, where Keras defers building)."""
@@ -236,10 +400,25 @@ def _masked_update(metric):
             and mask is not None
             and not _one_value(fn, metric, y_true, y_pred)
         ):
-            sample_weight = ops.cast(mask, "float32")
-        return original(y_true, y_pred, sample_weight=sample_weight)
+            # Shaped as the metric's values (one per row and position: the prediction's
+            # last axis reduced), so that a sequence's values weigh by their row.
+            rank = max(1, len(keras.tree.flatten(y_pred)[0].shape) - 1)
+            sample_weight = _with_rank(ops.cast(mask, "float32"), rank)
+        return original(y_true, y_pred, sample_weight=_like_keras_mask(sample_weight, y_pred))
 
     return update_state
+
+
+def _like_keras_mask(sample_weight, y_pred):
+    """A row's weight `(rows, 1)` broadcast to the shape of the prediction's Keras mask, if it
+    has one: Keras multiplies the mask into the weights in place (`sample_weight *=`), which
+    torch cannot broadcast into a `(rows, 1)` tensor."""
+    if sample_weight is None or keras.tree.is_nested(y_pred):
+        return sample_weight
+    mask = keras_internals.keras_mask(y_pred)
+    if mask is None or len(sample_weight.shape) != len(mask.shape):
+        return sample_weight
+    return ops.multiply(sample_weight, ops.ones_like(mask, dtype=sample_weight.dtype))
 
 
 def _one_value(fn, metric, y_true, y_pred) -> bool:
@@ -262,16 +441,61 @@ def _is_keras(fn) -> bool:
     return module.startswith(("keras.src.metrics", "keras.src.losses"))
 
 
+def _unscaled(sample_weight):
+    """Inside a padded step, weights without the factor `static / real rows` that makes a
+    loss the mean over real rows (the user's weights again, or the row mask)."""
+    count, mask = _ROW_COUNT.get(), ROW_MASK.get()
+    if count is None or mask is None or sample_weight is None:
+        return sample_weight
+    static = ops.cast(ops.shape(mask)[0], "float32")
+    scale = ops.divide(static, ops.cast(count(), "float32"))
+    return keras.tree.map_structure(
+        lambda w: ops.divide(w, ops.cast(scale, w.dtype)), sample_weight
+    )
+
+
 def _unscaled_update(original):
     # In a padded batch the real rows' weights carry static/real rows, so that the loss is
     # the mean over real rows; a weighted metric must see the user's weights.
     def update_state(y_true, y_pred, sample_weight=None):
-        count, mask = _ROW_COUNT.get(), ROW_MASK.get()
-        if count is not None and mask is not None and sample_weight is not None:
-            static = ops.cast(ops.shape(mask)[0], "float32")
-            scale = ops.divide(static, ops.cast(count(), "float32"))
-            sample_weight = ops.divide(sample_weight, ops.cast(scale, sample_weight.dtype))
-        return original(y_true, y_pred, sample_weight=sample_weight)
+        sample_weight = _unscaled(sample_weight)
+        return original(y_true, y_pred, sample_weight=_like_keras_mask(sample_weight, y_pred))
+
+    return update_state
+
+
+def install_own_metrics(patches: Patches, model) -> None:
+    """Metrics a model's own step updates itself (`self.loss_tracker`, `self.mae_metric` in
+    Keras's guide "Customizing what happens in fit()"), given the step's weights in a padded
+    batch: they see the weights without the padding factor (the row mask, or the user's
+    weights), so that the last batch's rows count once each; and one value for the batch
+    (its loss in a `Mean`) with per-row weights, which Keras cannot broadcast, is averaged
+    unweighted, as plain Keras averages it without weights. Keras's own metrics (the
+    compiled ones, the loss tracker) are handled where they are updated."""
+    keras_own = {id(keras_internals.loss_tracker(model))}
+    for container in (keras_internals.compile_metrics(model), keras_internals.compile_loss(model)):
+        if container is not None:
+            keras_own.add(id(container))
+    for metric in model.metrics:
+        if metric is None or id(metric) in keras_own:
+            continue
+        for leaf in _leaf_metrics([metric]):
+            if id(leaf) not in keras_own:
+                keras_own.add(id(leaf))
+                patches.set(leaf, "update_state", _own_update(leaf.update_state))
+
+
+def _own_update(original):
+    def update_state(*args, **kwargs):
+        if len(args) == 3:  # update_state(y_true, y_pred, sample_weight), positionally.
+            *args, kwargs["sample_weight"] = args
+        weight = kwargs.get("sample_weight")
+        if weight is not None and ROW_MASK.get() is not None and _ROW_COUNT.get() is not None:
+            if len(args) == 1 and _is_scalar(args[0]) and not _is_scalar(weight):
+                kwargs["sample_weight"] = None
+            else:
+                kwargs["sample_weight"] = _unscaled(weight)
+        return original(*args, **kwargs)
 
     return update_state
 
@@ -359,6 +583,11 @@ def _row_weighted_update(original):
         # a custom step that averages its losses unweighted keeps doing so.
         if count is not None and sample_weight is not None and _is_scalar(sample_weight):
             sample_weight = count()
+        elif count is not None and sample_weight is not None and _is_scalar(values):
+            # A step of the user's handing the batch's weights on with its one loss value
+            # (Keras's JAX guide): Keras cannot broadcast them; without weights, as plain
+            # Keras gets them, each batch's loss counts once.
+            sample_weight = None
         return original(values, sample_weight=sample_weight)
 
     return update_state

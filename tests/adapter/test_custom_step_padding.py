@@ -1,0 +1,106 @@
+"""A model's own `train_step` that honours `sample_weight` (the weighted step of Keras's
+guide "Customizing what happens in fit()") is given the last partial batch padded, weighted
+0, by default: it trains every row, as plain one-device Keras does. A step that reads no
+weights still gets `(x, y)` and its last partial batch is dropped, with a note."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from keras_accel.adapter.steps import honours_sample_weight
+from tests.conftest import NUM_DEVICES
+from tests.helpers import assert_weights_close, weights_of
+
+pytestmark = pytest.mark.torch
+
+ROWS, BATCH = 21, 8  # The last batch holds 5 rows.
+
+
+class Weighted(keras.Model):
+    """Keras's guide, "Supporting sample_weight & class_weight", on every backend: the
+    weights are read from the data and handed on (the gradient is Keras's own step's; JAX's
+    steps take the state first)."""
+
+    def train_step(self, *args):
+        *state, data = args
+        if len(data) == 3:
+            x, y, sample_weight = data
+        else:
+            sample_weight = None
+            x, y = data
+        return super().train_step(*state, (x, y, sample_weight))
+
+
+class Unweighted(keras.Model):
+    def train_step(self, *args):
+        *state, data = args
+        x, y = data[0], data[1]
+        return super().train_step(*state, (x, y))
+
+
+def _model(cls):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    model = cls(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(
+        keras.optimizers.SGD(0.2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    return rng.normal(size=(ROWS, 4)).astype("float32"), rng.integers(0, 3, ROWS)
+
+
+def test_the_step_is_read_for_sample_weight():
+    assert honours_sample_weight(_model(Weighted))
+    assert not honours_sample_weight(_model(Unweighted))
+
+
+@pytest.fixture(scope="module")
+def acc():
+    return Accelerator(devices=NUM_DEVICES)
+
+
+def test_a_step_that_honours_weights_trains_every_row_by_default(acc):
+    x, y = _data()
+    with acc.scope():
+        ours = _model(Weighted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # No note: nothing is dropped.
+        history = acc.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    plain = _model(Weighted)
+    expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    assert_weights_close(weights_of(ours), weights_of(plain))
+
+
+def test_a_step_that_reads_no_weights_drops_the_partial_batch(acc):
+    x, y = _data()
+    with acc.scope():
+        ours = _model(Unweighted)
+    with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
+        acc.fit(ours, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(ours.optimizer.iterations)) == ROWS // BATCH
+
+
+class Unpacking(keras.Model):
+    def test_step(self, *args):
+        *state, data = args
+        x, y = data  # Cannot take the padding weights an uneven evaluation needs.
+        return super().test_step(*state, (x, y))
+
+
+def test_a_step_that_cannot_take_padding_weights_is_told_why_and_what_works(acc):
+    x, y = _data()
+    with acc.scope():
+        ours = _model(Unpacking)
+    with pytest.raises(ValueError, match=r"Unpacking.test_step failed on a batch .* Accept a"):
+        acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0)
