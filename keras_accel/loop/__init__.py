@@ -5,7 +5,8 @@ The first seed's custom loop is TensorFlow-only: `tf.data` batched per replica, 
 `@tf.function` step run by `strategy.run`, a loss averaged with
 `tf.nn.compute_average_loss(per_example_loss, global_batch_size=...)`, metrics built in the
 strategy's scope. In Keras 3 the same loop must be written again for JAX (`stateless_call`,
-`jax.value_and_grad`, `jax.jit` with shardings). `Accelerator.loop` gives one loop for both:
+`jax.value_and_grad`, `jax.jit` with shardings) and for torch (`backward`, a gradient
+all-reduce over `torch.distributed`). `Accelerator.loop` gives one loop for all three:
 
 >>> import keras, numpy as np
 >>> from keras_accel import Accelerator
@@ -41,7 +42,7 @@ What the loop guarantees:
   with the row mask (`weighted_metrics` with the sample weights too), and `results()` reads
   them across replicas.
 - **Keras optimizers as they are**: gradient clipping (`clipnorm`, `global_clipnorm`: of the
-  global gradient, on both backends), gradient accumulation, and loss scaling under
+  global gradient, on every backend), gradient accumulation, and loss scaling under
   `mixed_precision="float16"` (the optimizer is wrapped in Keras's `LossScaleOptimizer`).
 - **Static shapes**: `batches()` are the Accelerator's padded batches of one shape, so the
   step compiles once; `evaluate` and `predict` are exact.
@@ -103,6 +104,36 @@ def per_example_losses(loss, y_true, y_pred):
     if len(values.shape) > 1:  # Per-timestep or per-pixel losses: their mean per example.
         values = ops.mean(values, axis=tuple(range(1, len(values.shape))))
     return values
+
+
+def metric_updates(loop, y_true, y_pred, per_example, weights, mask):
+    """`(metric, args, sample_weight)` for each of the loop's metrics, in `all_metrics()`
+    order: what every backend's step updates them with. The loss tracker averages the
+    weighted per-example losses over the real rows; metrics count the real rows; weighted
+    metrics weigh them by the sample weights too. Padding rows count nowhere."""
+    yield loop.loss_tracker, (per_example * weights,), mask
+    for metric in loop.metrics:
+        yield metric, (y_true, y_pred), mask
+    for metric in loop.weighted_metrics:
+        yield metric, (y_true, y_pred), weights * mask
+
+
+def update_metrics(loop, y_true, y_pred, per_example, weights, mask, update=None) -> None:
+    """Update the loop's metric variables in place with one batch (TensorFlow and torch;
+    JAX's step updates its explicit state with `metric_updates` itself). Each replica or
+    process updates with its own rows; reading the results sums them across.
+
+    `update(metric, y_true, y_pred, sample_weight)`, where given, updates each of the
+    compiled or given metrics instead of its `update_state` (torch gathers the global
+    batch's rows for users' metrics there); the loss tracker, a Keras `Mean`, is updated
+    directly."""
+    for metric, args, sample_weight in metric_updates(
+        loop, y_true, y_pred, per_example, weights, mask
+    ):
+        if update is None or metric is loop.loss_tracker:
+            metric.update_state(*args, sample_weight=sample_weight)
+        else:
+            update(metric, *args, sample_weight)
 
 
 def _name(loss) -> str:

@@ -253,20 +253,15 @@ class Steps:
         return y_pred
 
     def _update_metrics(self, metric_vars, y, y_pred, per, weights, mask):
-        loop = self.loop
+        """The metric state after one batch: `metric_updates`, applied statelessly."""
+        from keras_accel.loop import metric_updates
+
         updated, start = [], 0
-        for metric in loop.all_metrics():
+        for metric, args, sample_weight in metric_updates(self.loop, y, y_pred, per, weights, mask):
             count = len(metric.variables)
             own = metric_vars[start : start + count]
             start += count
-            if metric is loop.loss_tracker:
-                # Sum of weighted losses over real rows, and their count: the epoch's mean.
-                own = metric.stateless_update_state(own, per * weights, sample_weight=mask)
-            elif any(metric is m for m in loop.weighted_metrics):
-                own = metric.stateless_update_state(own, y, y_pred, sample_weight=weights * mask)
-            else:
-                own = metric.stateless_update_state(own, y, y_pred, sample_weight=mask)
-            updated.extend(own)
+            updated.extend(metric.stateless_update_state(own, *args, sample_weight=sample_weight))
         return updated
 
     # ------------------------------------------------------------------ results

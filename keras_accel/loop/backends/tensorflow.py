@@ -7,6 +7,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from keras_accel.adapter.backends.tensorflow import reduction
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum
 from keras_accel.adapter.batchnorm import install_batchnorm
@@ -109,6 +110,8 @@ class Steps:
             )
             if self.runtime.num_replicas > 1:
                 install_summed_gradients(patches, [self.loop.optimizer])
+                # Users' metrics (any state, a running maximum) on the global batch.
+                reduction.GatheredMetrics().install(patches, loop.all_metrics())
             if group is not None:  # The count is a tensor: one program for every group.
                 return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
@@ -161,7 +164,7 @@ class Steps:
             ROW_MASK.reset(token)
 
     def _train(self, batch):
-        from keras_accel.loop import per_example_losses
+        from keras_accel.loop import per_example_losses, update_metrics
 
         loop = self.loop
         model = loop.model
@@ -177,15 +180,16 @@ class Steps:
             scaled = loop.optimizer.scale_loss(value)
         gradients = tape.gradient(scaled, model.trainable_variables)
         loop.optimizer.apply(gradients, model.trainable_variables)
-        self._update_metrics(y, y_pred, per, weights, mask)
+        # Metric variables are summed across replicas when read: local updates suffice.
+        update_metrics(loop, y, y_pred, per, weights, mask)
 
     def _test(self, batch):
-        from keras_accel.loop import per_example_losses
+        from keras_accel.loop import per_example_losses, update_metrics
 
         x, y, weights, mask = unpack(batch)
         y_pred = self._forward(x, mask, training=False)
         per = per_example_losses(self.loop.loss, y, y_pred)
-        self._update_metrics(y, y_pred, per, weights, mask)
+        update_metrics(self.loop, y, y_pred, per, weights, mask)
 
     def _predict(self, batch):
         return self.loop.model(unpack(batch)[0], training=False)
@@ -197,15 +201,6 @@ class Steps:
         """`(outputs, row_mask)` of one prediction batch, gathered alike (several workers
         each hold only their replicas' rows)."""
         return self._run("predict_masked", batch)
-
-    def _update_metrics(self, y, y_pred, per, weights, mask):
-        # Metric variables are summed across replicas when read: local updates suffice.
-        loop = self.loop
-        loop.loss_tracker.update_state(per * weights, sample_weight=mask)
-        for metric in loop.metrics:
-            metric.update_state(y, y_pred, sample_weight=mask)
-        for metric in loop.weighted_metrics:
-            metric.update_state(y, y_pred, sample_weight=weights * mask)
 
     # ------------------------------------------------------------------ results
     def sync(self) -> None:

@@ -180,14 +180,10 @@ class Steps:
     def _update_metrics(self, y, y_pred, per, weights, mask):
         # Keras's own metrics: each process's own rows; `reading()` sums the states over
         # the processes. Users' metrics (any state): the global batch's rows, gathered.
-        loop = self.loop
+        from keras_accel.loop import update_metrics
+
         with torch.no_grad():
-            loop.loss_tracker.update_state(per * weights, sample_weight=mask)
-            for metric in loop.metrics:
-                self._update(metric, y, y_pred, mask)
-            weighted = weights * mask
-            for metric in loop.weighted_metrics:
-                self._update(metric, y, y_pred, weighted)
+            update_metrics(self.loop, y, y_pred, per, weights, mask, update=self._update)
 
     def _update(self, metric, y, y_pred, sample_weight):
         if self.world > 1 and not torch_rows.is_keras_metric(metric):
