@@ -1,11 +1,12 @@
-"""Reductions across replicas inside a step: sums, metrics' global results, and the logs
-of a multi-worker step."""
+"""Reductions across replicas inside a step: sums, metrics' global results, users' metrics
+updated on the global batch, and the logs of a multi-worker step."""
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
 
+from keras_accel.adapter.steps import ROW_MASK, after_build
 from keras_accel.utils import keras_internals
 
 
@@ -15,14 +16,27 @@ def global_result(metric, result):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return result()
-    operations = {
-        tf.VariableAggregation.SUM: tf.distribute.ReduceOp.SUM,
-        tf.VariableAggregation.MEAN: tf.distribute.ReduceOp.MEAN,
-    }
+    with keras.StatelessScope(state_mapping=list(zip(metric.variables, _read(metric)))):
+        return result()
+
+
+_OPERATIONS = {
+    tf.VariableAggregation.SUM: tf.distribute.ReduceOp.SUM,
+    tf.VariableAggregation.MEAN: tf.distribute.ReduceOp.MEAN,
+}
+
+
+def _read(metric) -> list:
+    """`metric`'s variables as a cross-replica read gives them, from inside a replica."""
+    context = tf.distribute.get_replica_context()
+    operations = _OPERATIONS
     values = []
     grouped: dict = {}  # (operation, dtype) -> indices of the variables it reduces
     for i, variable in enumerate(metric.variables):
-        operation = operations.get(getattr(variable.value, "aggregation", None))
+        # One copy per replica (a metric built in the strategy's scope); a variable built
+        # outside it is one copy every replica updates: its value is the value.
+        per_replica = _per_replica(variable)
+        operation = operations.get(variable.value.aggregation) if per_replica else None
         # tf.identity places the read on this replica's device: a read of a metric's
         # variable carries none under MultiWorkerMirroredStrategy, and its collective then
         # fails ("destinations can not be empty").
@@ -37,8 +51,141 @@ def global_result(metric, result):
         reduced = context.all_reduce(operation, [values[i] for i in indices])
         for i, value in zip(indices, reduced):
             values[i] = value
-    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
-        return result()
+    return values
+
+
+def _per_replica(variable) -> bool:
+    return isinstance(variable.value, tf.distribute.DistributedValues)
+
+
+def is_keras_metric(metric) -> bool:
+    """Whether `metric` is an instance of one of Keras's own classes, whose state (sums and
+    counts) the replicas' states add up to; a subclass of the user's may keep any state."""
+    return type(metric).__module__.startswith("keras.src.")
+
+
+def user_metrics(metrics):
+    """The metrics in `metrics` (inside Keras's per-output containers too) that update
+    state themselves and are not Keras's own."""
+    for metric in metrics or []:
+        if metric is None:
+            continue
+        inner = getattr(metric, "metrics", None)
+        if is_keras_metric(metric) and isinstance(inner, (list, tuple)) and inner is not metrics:
+            yield from user_metrics(inner)
+        elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
+            yield metric
+
+
+class GatheredMetrics:
+    """Users' metrics updated on the global batch, for one call (or one trace): `install`
+    before the padding masks (which then wrap the gather: its weights are the row mask)
+    and after `install_global_results` (whose result wrapper this one wraps).
+
+    A user's metric may keep a state no sum of the replicas' states gives (a running
+    maximum). Inside a replica its `update_state` is given every replica's rows (its
+    tensors all-gathered along axis 0, in replica order: the global batch, padding weights
+    included), starting from the state a cross-replica read gives, and leaves the result
+    where a cross-replica read finds it: a SUM variable in the first replica (0 in the
+    others), a MEAN, ONLY_FIRST_REPLICA or NONE variable in every replica. Every read then
+    gives the global state: Keras's logs (its `result()` inside a step reads as a
+    cross-replica read would), `evaluate`, the custom loop's `results()`, a read after the
+    call, a checkpoint. Cost per update: one all-gather per input tensor and one
+    all-reduce of the metric's state.
+    """
+
+    def __init__(self):
+        self._done: set[int] = set()
+
+    def install(self, patches, metrics) -> None:
+        for metric in user_metrics(metrics):
+            if id(metric) in self._done:
+                continue
+            self._done.add(id(metric))
+            patches.set(metric, "update_state", _gathered_update(metric, metric.update_state))
+            patches.set(metric, "result", _global_read(metric, metric.result))
+
+
+def install_gathered_metrics(patches, model) -> None:
+    """`GatheredMetrics` on `model`'s metrics (the compiled ones once Keras builds them)."""
+    gathered = GatheredMetrics()
+    gathered.install(patches, model.metrics)
+    compiled = keras_internals.compile_metrics(model)
+    if compiled is not None:
+        after_build(patches, compiled, lambda: gathered.install(patches, compiled.metrics))
+
+
+def _replicated():
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def _gathered_update(metric, original):
+    def update_state(*args, **kwargs):
+        context = _replicated()
+        if context is None:
+            return original(*args, **kwargs)
+        for leaf in tf.nest.flatten((args, kwargs)):
+            if tf.is_tensor(leaf) and leaf.shape.rank == 0:
+                raise ValueError(
+                    f"The metric {metric.name!r} ({type(metric).__name__}) was updated with "
+                    f"a scalar tensor across {context.num_replicas_in_sync} replicas. A "
+                    "metric that is not Keras's own is updated on the global batch's rows, "
+                    "gathered from every replica, which a value of one replica's rows alone "
+                    "(a batch loss, a mean) cannot give. Pass per-row values (targets, "
+                    "predictions, weights with the batch on axis 0), or track a batch value "
+                    "with keras.metrics.Mean, whose sums the replicas add up exactly."
+                )
+        args, kwargs = tf.nest.map_structure(
+            lambda t: context.all_gather(t, axis=0) if tf.is_tensor(t) else t, (args, kwargs)
+        )
+        variables = list(metric.variables)
+        state = _read(metric)
+        with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            original(*args, **kwargs)
+            updated = [scope.get_current_value(v) for v in variables]
+        replica = context.replica_id_in_sync_group
+        first = tf.equal(replica, 0)
+        for variable, old, new in zip(variables, state, updated):
+            new = old if new is None else tf.convert_to_tensor(new, old.dtype)
+            if not _per_replica(variable):
+                # One copy that every replica would write: the first replica writes it.
+                _assign_in_first(variable, new, replica)
+                continue
+            if variable.value.aggregation == tf.VariableAggregation.SUM:
+                new = tf.where(first, new, tf.zeros_like(new))
+            variable.assign(new)
+
+    return update_state
+
+
+def _assign_in_first(variable, value, replica) -> None:
+    static = tf.get_static_value(replica)
+    if static is not None:  # MirroredStrategy: each replica's program knows its index.
+        if int(static) == 0:
+            variable.assign(value)
+        return
+
+    def assign():
+        variable.assign(value)
+        return tf.constant(True)
+
+    tf.cond(tf.equal(replica, 0), assign, lambda: tf.constant(False))
+
+
+def _global_read(metric, original):
+    """Keras reads a step's logs inside each replica, from the replica's own state: read it
+    as a cross-replica read would. Installed over `install_global_results`' wrapper, which
+    does so itself in a padded step (where the row mask is set)."""
+
+    def result():
+        if _replicated() is None or ROW_MASK.get() is not None:
+            return original()
+        return global_result(metric, original)
+
+    return result
 
 
 def all_reduce_sum(tensors):

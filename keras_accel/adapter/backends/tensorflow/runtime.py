@@ -11,7 +11,11 @@ from keras_accel.adapter.backends.tensorflow import checks, cluster
 from keras_accel.adapter.backends.tensorflow.fused import fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
-from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum, global_result
+from keras_accel.adapter.backends.tensorflow.reduction import (
+    all_reduce_sum,
+    global_result,
+    install_gathered_metrics,
+)
 from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
 from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
@@ -112,6 +116,8 @@ class Runtime(runtime.Runtime):
                 install_summed_gradients(patches, checks.optimizers(model))
             install_uniform_losses(patches, model)
             install_global_results(patches, model, global_result)
+            # Users' metrics (any state, a running maximum) on the global batch.
+            install_gathered_metrics(patches, model)
 
     def row_count(self, row_mask):
         # Each replica weights its share of the epoch's loss average by the global batch's
