@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,6 +101,110 @@ def process_env(index: int, ports: list[int], devices_per_process: int | None) -
     return env
 
 
+# Keras backend -> the package it imports as Keras loads (and keras-accel's extra of that name).
+BACKEND_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow", "torch": "torch"}
+
+
+def is_installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # A finder that refuses it, a broken installation.
+        return False
+
+
+def missing_backend_error() -> str | None:
+    """Why every process would stop at `import keras`, said once, before any starts: the
+    backend chosen (KERAS_BACKEND or keras.json) is not installed here. None where it is, or
+    where nothing chose one (a launched script need not use Keras)."""
+    from keras_accel.cli.backend import configured_backend
+
+    backend, source = configured_backend()
+    package = BACKEND_PACKAGES.get(backend)
+    if package is None or source == "Keras's default" or is_installed(package):
+        return None
+    installed = [
+        name for name, p in BACKEND_PACKAGES.items() if name != backend and is_installed(p)
+    ]
+    instead = f", or set KERAS_BACKEND to one that is ({', '.join(installed)})" if installed else ""
+    return (
+        f"the Keras backend {backend!r} ({source}) needs {package}, which is not installed for "
+        f"{sys.executable}: every process would fail at `import keras`. Install it with "
+        f'`pip install -c constraints.txt -e ".[{backend}]"` from the keras-accel checkout '
+        f"(the {backend!r} extra){instead}."
+    )
+
+
+def child_defaults(
+    backend: str, num_processes: int, environ: dict[str, str]
+) -> tuple[dict[str, str], list[str]]:
+    """Variables every process gets unless the user set them, and a note for each that
+    changes what the user would otherwise get.
+
+    - `TF_CPP_MIN_LOG_LEVEL=2`: TensorFlow's C++ info and warning lines, once per process
+      (TensorFlow is imported under every backend: keras-hub and tf.data bring it).
+    - `OMP_NUM_THREADS=1` on torch with several processes, as torchrun sets it: each torch
+      process otherwise starts one OpenMP thread per core, N processes oversubscribe the
+      cores, and a launch ran ~2.5x slower than torchrun's. JAX (XLA) and TensorFlow size
+      their own thread pools and do not read it, so they are left alone.
+    """
+    env, notes = {}, []
+    if "TF_CPP_MIN_LOG_LEVEL" not in environ:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if backend == "torch" and num_processes > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = "1"
+        notes.append(
+            f"note: OMP_NUM_THREADS=1 in each of the {num_processes} torch processes (as "
+            "torchrun sets it), so that they do not oversubscribe the cores; set "
+            "OMP_NUM_THREADS yourself to tune it."
+        )
+    return env, notes
+
+
+# An absl log line (TensorFlow's, XLA's): severity letter, date, time, thread, file:line].
+_ABSL_LINE = re.compile(r"(?:\[rank\d+\]: )?([IWEF])\d{4} [\d:.]+ +\d+ [\w.-]+:\d+\] ")
+_ABSL_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
+_ABSL_PRELUDE = "WARNING: All log messages before absl::InitializeLog() is called are written"
+# jaxlib's Gloo (CPU collectives) prints this for every communicator it makes, without a
+# log level to turn it off; only a line where some peer is missing says anything.
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)$"
+)
+
+
+class OutputFilter:
+    """Which child lines the launcher leaves out: start-up noise that cannot be quieted at
+    its source.
+
+    - absl lines below `TF_CPP_MIN_LOG_LEVEL` (as the children get it), and absl's notice
+      that precedes them: TensorFlow's start-up lines are logged before absl's log is
+      initialized, where TensorFlow's level does not reach them (and each is printed twice,
+      by two of its libraries); on a host without an NVIDIA driver, TensorFlow's failed
+      `cuInit` too, logged as an error though it only says there is no GPU;
+    - jaxlib's `[Gloo] Rank r is connected to k peer ranks` when all k are (16 lines in a
+      short JAX launch), never one where a peer is missing.
+    """
+
+    def __init__(self, environ: dict[str, str]):
+        try:
+            self.level = int(environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+        except ValueError:
+            self.level = 0
+        self.no_gpu = not os.path.exists("/dev/nvidiactl")
+
+    def keep(self, line: str) -> bool:
+        if self.level > 0:
+            match = _ABSL_LINE.match(line)
+            if match and _ABSL_SEVERITY[match.group(1)] < self.level:
+                return False
+            if line.startswith(_ABSL_PRELUDE):
+                return False
+            if match and self.no_gpu and "failed call to cuInit" in line:
+                return False
+        gloo = _GLOO_CONNECTED.search(line)
+        return not (gloo and gloo.group(1) == gloo.group(2))
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -129,8 +235,14 @@ class Launch:
         self.grace = options.get("grace", DEFAULT_GRACE_S)
         self.out = options.get("out", sys.stdout)
         self.err = options.get("err", sys.stderr)
+        self.defaults = options.get("defaults", {})
+        self.filter = OutputFilter(dict(self.defaults, **os.environ))
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
+        # When each process's error came (monotonic s): the start of its last traceback, else
+        # its end. What a launch names as its cause is the first of them.
+        self._traceback_at: dict[int, float] = {}
+        self._ended_at: dict[int, float] = {}
         self._write = threading.Lock()
         self._stopping: str | None = None  # Why the processes were told to stop.
 
@@ -140,7 +252,8 @@ class Launch:
 
     def start(self) -> None:
         for index in range(self.num_processes):
-            env = dict(os.environ, **process_env(index, self.ports, self.devices_per_process))
+            env = dict(self.defaults, **os.environ)
+            env.update(process_env(index, self.ports, self.devices_per_process))
             process = subprocess.Popen(
                 self.command,
                 env=env,
@@ -153,13 +266,24 @@ class Launch:
             pump = threading.Thread(target=self._pump, args=(index, process), daemon=True)
             pump.start()
             self._pumps.append(pump)
+            threading.Thread(target=self._reap, args=(index, process), daemon=True).start()
 
     def _pump(self, index: int, process: subprocess.Popen) -> None:
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if "Traceback (most recent call last):" in line:
+                self._traceback_at[index] = time.monotonic()
+            if not self.filter.keep(line):
+                continue
             with self._write:
                 print(f"[{index}] {line}", file=self.out, flush=True)
         process.stdout.close()
+
+    def _reap(self, index: int, process: subprocess.Popen) -> None:
+        # A thread blocked on each process notes its end when it comes, not at the next
+        # poll: two processes that fail within one poll are still told apart.
+        process.wait()
+        self._ended_at[index] = time.monotonic()
 
     def signal_all(self, signum: int) -> None:
         for process in self.processes:
@@ -175,14 +299,32 @@ class Launch:
             self._deadline = time.monotonic() + self.grace
 
     def _cause(self, codes: list) -> list:
-        """The exit codes once a process failed, after a short look for a process killed by
-        a signal: a peer that lost it through a collective (gloo's closed connection) may
-        exit with an error first, and the one killed is the cause to name."""
+        """The exit codes once a process failed, after a short look at the others: a peer
+        that lost the failed one through a collective (gloo's closed connection) fails too,
+        and may end first, or in the same poll."""
         deadline = time.monotonic() + CAUSE_WINDOW_S
-        while time.monotonic() < deadline and not any(c is not None and c < 0 for c in codes):
+        while time.monotonic() < deadline and not any(c == -signal.SIGKILL for c in codes):
+            if all(c is not None for c in codes):
+                break
             time.sleep(0.02)
             codes = [process.poll() for process in self.processes]
         return codes
+
+    def _first_failure(self, codes: list) -> tuple[int, int]:
+        """The failed process to name: one killed by SIGKILL (it printed nothing, and its
+        peers' errors may come before its end is seen), else the one whose error came
+        first: the start of the traceback it printed last, else its end. A peer fails
+        only after the failed process closed its connections, which it does after printing
+        its traceback, so its own error comes later, whatever the indices."""
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        now = time.monotonic()
+
+        def order(item):
+            index, code = item
+            ended = self._ended_at.get(index, now)  # Its reaper may not have noted it yet.
+            return (code != -signal.SIGKILL, self._traceback_at.get(index, ended), index)
+
+        return min(failed, key=order)
 
     def wait(self) -> int:
         """Watch the processes until all have ended; the launch's exit code."""
@@ -194,17 +336,14 @@ class Launch:
                 break
             if failed is None and self._stopping is None and any(c not in (None, 0) for c in codes):
                 codes = self._cause(codes)
-                for index, code in sorted(enumerate(codes), key=_signal_first):
-                    if code not in (None, 0):
-                        failed = (index, code)
-                        others = sum(c is None for c in codes)
-                        self.say(
-                            f"process {index} (pid {self.processes[index].pid}) failed: "
-                            f"{describe_exit(code)}. Stopping the other {others} process(es) "
-                            f"(SIGTERM, SIGKILL after {self.grace:g} s)."
-                        )
-                        self.stop(f"process {index} failed")
-                        break
+                failed = index, code = self._first_failure(codes)
+                others = sum(c is None for c in codes)
+                self.say(
+                    f"process {index} (pid {self.processes[index].pid}) failed: "
+                    f"{describe_exit(code)}. Stopping the other {others} process(es) "
+                    f"(SIGTERM, SIGKILL after {self.grace:g} s)."
+                )
+                self.stop(f"process {index} failed")
             if self._stopping is not None and not killed and time.monotonic() > self._deadline:
                 left = [i for i, c in enumerate(codes) if c is None]
                 self.say(
@@ -218,8 +357,7 @@ class Launch:
             pump.join(timeout=5)
         codes = [process.returncode for process in self.processes]
         if failed is None and self._stopping is None and any(codes):
-            # Ended in one poll: the one a signal killed first (the cause), else the first.
-            failed = next((i, c) for i, c in sorted(enumerate(codes), key=_signal_first) if c)
+            failed = self._first_failure(codes)  # All ended in one poll.
         if failed is not None:
             index, code = failed
             self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")
@@ -234,13 +372,8 @@ class Launch:
         return 0
 
 
-# How long a failure waits for another process's end by a signal, which it then names.
+# How long a failure waits for the others' ends before it names the first (a SIGKILL at once).
 CAUSE_WINDOW_S = 1.0
-
-
-def _signal_first(item) -> tuple:
-    index, code = item
-    return (not (code is not None and code < 0), index)
 
 
 def devices_per_process_note(devices_per_process: int | None, num_processes: int) -> str | None:
@@ -279,15 +412,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace must be 0 or more seconds. Received: {args.grace}")
     if not os.path.isfile(args.script):
         raise ValueError(f"No such script: {args.script!r}. Pass the path of a Python file.")
+    missing = missing_backend_error()
+    if missing:
+        raise RuntimeError(missing)
+    from keras_accel.cli.backend import configured_backend
+
     n = args.num_processes
     ports = free_ports(n) if args.port is None else [args.port + i for i in range(n)]
     command = [sys.executable, args.script, *args.args]
+    defaults, notes = child_defaults(configured_backend()[0], n, dict(os.environ))
     launch = Launch(
-        command, n, ports, devices_per_process=args.devices_per_process, grace=args.grace
+        command,
+        n,
+        ports,
+        devices_per_process=args.devices_per_process,
+        grace=args.grace,
+        defaults=defaults,
     )
-    note = devices_per_process_note(args.devices_per_process, n)
-    if note:
-        launch.say(note)
+    for note in [devices_per_process_note(args.devices_per_process, n), *notes]:
+        if note:
+            launch.say(note)
 
     def forward(signum, frame):
         launch.say(f"{signal.Signals(signum).name}: passing SIGTERM to every process.")

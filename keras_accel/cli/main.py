@@ -156,8 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
+    if args.command != "launch":
+        # TensorFlow's C++ start-up lines, in this process. `launch` imports no framework
+        # and sets its children's default itself, where it must still see the user's value.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         return args.run(args)
     except (ValueError, RuntimeError, TypeError) as e:

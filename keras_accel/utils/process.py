@@ -223,3 +223,78 @@ class EndAgreement:
             if "NOT_FOUND" not in str(error):
                 raise  # The coordinator is gone or refused: not "not written yet".
             return -1  # Not written yet.
+
+
+class StoreUnanswered(RuntimeError):
+    """The port of torch's process-group store accepted a connection but never answered."""
+
+
+def torch_store(host: str, port: int, rank: int, world_size: int, timeout_s: float, source: str):
+    """torch's process-group store at `host:port`, as `init_process_group`'s `tcp://` would
+    make it (rank 0 serves it; the others connect), for `init_process_group(store=...)`.
+
+    torch bounds a connection that is refused (rank 0 not up yet: retried until the
+    timeout), but not one that is accepted and never answered: where another program holds
+    MASTER_PORT, every rank but 0 waits for ever for the store's reply (torch's own
+    `init_process_group` too). So the store is made in a thread, and a rank that has no
+    store after the timeout (and a little more, for a refusal's own error to come first)
+    fails, naming the port; the thread, blocked in torch's C++ without the GIL, is left to
+    the process's end.
+    """
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    made: dict = {}
+
+    def make():
+        try:
+            made["store"] = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                rank == 0,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                multi_tenant=True,
+            )
+        except BaseException as error:  # Handed to the caller's thread, which raises it.
+            made["error"] = error
+
+    thread = threading.Thread(target=make, name="keras_accel-torch-store", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STORE_MARGIN_S)
+    if thread.is_alive() and not _accepts(host, port):
+        # Nothing listens there: torch is retrying a refused connection on a loaded machine,
+        # and its own error (rank 0 never came) is the one to give.
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"torch's store at {host}:{port} timed out: nothing listens")
+    if "error" in made:
+        raise made["error"]
+    if "store" in made:
+        return made["store"]
+    waited = timeout_s + STORE_MARGIN_S
+    raise StoreUnanswered(
+        f"Process {rank} of {world_size} connected to {host}:{port} ({source}) but got no "
+        f"answer from torch's process-group store there in {waited:g} s: another program "
+        f"holds MASTER_PORT={port}. Choose a free MASTER_PORT (the same for every rank), or "
+        "let `keras-accel launch` pick one; KERAS_ACCEL_HEARTBEAT_TIMEOUT sets how long this "
+        "waits."
+    )
+
+
+# A refused connection's own error comes at the timeout; this is how much later a silent
+# one is named instead.
+STORE_MARGIN_S = 5.0
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Does something accept TCP connections at `host:port` now?"""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False

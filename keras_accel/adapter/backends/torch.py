@@ -102,14 +102,22 @@ def connect(cluster) -> None:
     if on_gpu:
         torch.cuda.set_device(local_rank() % torch.cuda.device_count())
     host, _, port = cluster.coordinator.rpartition(":")
+    from keras_accel.utils import process
+
     try:
+        # The store as `tcp://` makes it, but bounded where a held port never answers.
+        store = process.torch_store(
+            host, int(port), cluster.process_id, cluster.num_processes, TIMEOUT_S, cluster.source
+        )
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{cluster.coordinator}",
+            store=store,
             world_size=cluster.num_processes,
             rank=cluster.process_id,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )
+    except process.StoreUnanswered:
+        raise
     except Exception as error:  # torch's DistStoreError, RuntimeError: the text says which.
         text = str(error)
         if "ADDRINUSE" in text or "address already in use" in text.lower():
