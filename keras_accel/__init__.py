@@ -1,4 +1,4 @@
-"""keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX or TensorFlow.
+"""keras_accel: one Keras 3 training script on CPUs, GPUs or TPUs, under JAX, TensorFlow or torch.
 
 The public API is this short list and the subpackages `callbacks`, `data`, `models` and
 `schedules`;

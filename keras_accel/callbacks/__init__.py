@@ -7,8 +7,8 @@ from keras_accel.callbacks import BackupAndRestore, History, LearningRateSchedul
 ```
 
 Each takes Keras's arguments with Keras's meaning, works with `model.fit` and
-`Accelerator.fit` on JAX and TensorFlow under every strategy, writes from the chief process
-only, and writes to local paths or URLs (`gs://`, `s3://`, `memory://`) through
+`Accelerator.fit` on JAX, TensorFlow and torch under every strategy, writes from the chief
+process only, and writes to local paths or URLs (`gs://`, `s3://`, `memory://`) through
 `keras_accel.state.files` (fsspec, which picks the storage by the URL alone). See
 docs/callbacks.md.
 

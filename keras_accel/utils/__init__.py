@@ -1,4 +1,6 @@
-"""Small helpers shared by the package: device simulation, process facts."""
+"""Helpers below every other layer: process and cluster facts, devices (and their simulation
+on CPUs), printing, seeding, and the internals of Keras (`keras_internals`) and of the other
+libraries (`library_internals`), each listed with its reason and checked."""
 
 from keras_accel.utils.devices import configure_virtual_cpu_devices
 

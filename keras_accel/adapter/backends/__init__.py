@@ -1,5 +1,8 @@
 """One module per Keras backend, each with the same small contract, imported lazily.
 
+`jax` (device meshes), `tensorflow` (a package: tf.distribute strategies) and `torch` (one
+process per device over torch.distributed).
+
 Every backend module defines:
 
 - `inventory(probe_tpu=True) -> dict[str, list[str]]`: visible devices by platform ("tpu",
