@@ -8,6 +8,10 @@ unmasked steps is counted over every replica. Before, a row's weight `(rows,)` m
 21 rows in batches of 8 on the suite's devices (a last batch of 5 rows, padded), against
 plain Keras on one device (`shuffle=False` both)."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -152,3 +156,33 @@ def test_dense_sequence_targets_beside_a_per_row_output(acc):
     np.testing.assert_allclose(
         evaluated["steps_loss"] + evaluated["whole_loss"], evaluated["loss"], rtol=1e-5
     )
+
+
+SEQUENCES_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_sequences.py")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's processes")
+def test_two_torch_processes_equal_one_on_masked_sequence_targets(tmp_path):
+    """A tagger under `mask_zero`, with and without per-step weights, on 21 rows in batches
+    of 8 (tests/adapter/_torch_sequences.py): 2 gloo processes, whose unmasked steps differ
+    in every batch, end where one process ends, and agree bit for bit."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="torch")
+    env.pop("KERAS_ACCEL_TEST_DEVICES", None)
+
+    def run(*command):
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    run(sys.executable, SEQUENCES_SCRIPT, str(tmp_path / "one"))
+    launch = (sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2")
+    run(*launch, SEQUENCES_SCRIPT, str(tmp_path / "two"))
+    one, first, second = (
+        dict(np.load(tmp_path / f"{name}.npz")) for name in ("one-0", "two-0", "two-1")
+    )
+    assert sorted(one) == sorted(first) == sorted(second)
+    assert any(key.startswith("weighted/evaluate/") for key in one)
+    for key in one:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -1,0 +1,57 @@
+"""One process of a torch run (or the one-process reference) of a token tagger on uneven
+data: a loss per time step under a Keras mask (`Embedding(mask_zero=True)`), per-step
+weights. Usage: python _torch_sequences.py OUT
+
+21 rows in global batches of 8: the last batch holds 5 rows (padded; 4 real rows in process
+0, 1 in process 1), and the processes' unmasked steps differ in every batch, so the loss is
+one process's only if the mean over unmasked steps is counted over both processes.
+
+Every process writes what it saw to OUT-<process>.npz.
+"""
+
+import sys
+
+import keras
+import numpy as np
+
+from keras_accel import Accelerator
+
+ROWS, BATCH, STEPS, VOCAB, CLASSES = 21, 8, 6, 12, 4
+
+acc = Accelerator(seed=0)
+rng = np.random.default_rng(0)
+tokens = rng.integers(1, VOCAB, (ROWS, STEPS))
+lengths = rng.integers(2, STEPS + 1, ROWS)
+tokens[np.arange(STEPS)[None, :] >= lengths[:, None]] = 0
+tags = rng.integers(0, CLASSES, (ROWS, STEPS))
+weights = rng.uniform(0.5, 2.0, (ROWS, STEPS)).astype("float32")
+
+with acc.scope():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((STEPS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    model.compile(
+        keras.optimizers.SGD(0.5),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy"],
+    )
+
+out = {}
+for name, kwargs in (("plain", {}), ("weighted", {"sample_weight": weights})):
+    history = acc.fit(
+        model, tokens, tags, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **kwargs
+    )
+    for key, values in history.history.items():
+        out[f"{name}/fit/{key}"] = np.asarray(values)
+    evaluated = acc.evaluate(
+        model, tokens, tags, batch_size=BATCH, verbose=0, return_dict=True, **kwargs
+    )
+    for key, value in evaluated.items():
+        out[f"{name}/evaluate/{key}"] = np.asarray(value)
+for i, weight in enumerate(model.get_weights()):
+    out[f"w{i}"] = weight
+
+np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)
