@@ -16,6 +16,7 @@ from keras_accel.adapter.backends.tensorflow.reduction import (
     global_result,
     install_gathered_metrics,
 )
+from keras_accel.adapter.backends.tensorflow.rows import install_global_row_draws
 from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
 from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
@@ -114,6 +115,8 @@ class Runtime(runtime.Runtime):
                 for optimizer in checks.optimizers(model):
                     checks.check_gradient_accumulation(optimizer, self.num_replicas)
                 install_summed_gradients(patches, checks.optimizers(model))
+                # Dropout and the like draw one device's numbers for the global batch.
+                install_global_row_draws(patches, model)
             install_uniform_losses(patches, model)
             install_global_results(patches, model, global_result)
             # Users' metrics (any state, a running maximum) on the global batch.
