@@ -55,3 +55,19 @@ def test_training_through_dropout_equals_one_device():
     np.testing.assert_allclose(history.history["loss"], expected, rtol=0, atol=TOLERANCE)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+
+
+def test_the_custom_loop_through_dropout_equals_one_device():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(45, 5)).astype("float32"), rng.integers(0, 3, 45)
+    plain = _model()
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    acc = Accelerator(devices=DEVICES)
+    with acc.scope():
+        model = _model()
+    loop = acc.loop(model)
+    for epoch in range(2):
+        for batch in loop.batches(x, y, batch_size=8, epoch=epoch):
+            loop.train_step(batch)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_accel.adapter.backends.tensorflow import reduction
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.reduction import all_reduce_sum
+from keras_accel.adapter.backends.tensorflow.rows import install_global_row_draws
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
@@ -112,6 +113,8 @@ class Steps:
                 install_summed_gradients(patches, [self.loop.optimizer])
                 # Users' metrics (any state, a running maximum) on the global batch.
                 reduction.GatheredMetrics().install(patches, loop.all_metrics())
+                # Dropout and the like draw one device's numbers for the global batch.
+                install_global_row_draws(patches, loop.model)
             if group is not None:  # The count is a tensor: one program for every group.
                 return function(group.payload, tf.constant(group.steps, tf.int32))
             return function(batch)
