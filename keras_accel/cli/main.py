@@ -66,7 +66,8 @@ def import_keras():
         if missing and missing == BACKEND_PACKAGES.get(backend):
             raise RuntimeError(
                 f"the Keras backend {backend!r} ({source}) needs {missing}, which is not "
-                f"installed: `pip install {missing}`{instead}."
+                f'installed: `pip install -c constraints.txt -e ".[{backend}]"` from the '
+                f"keras-accel checkout (the {backend!r} extra){instead}."
             ) from None
         if missing:
             what = f"no module named {missing!r}: `pip install {missing}`"

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from keras_accel.cli.launch import OutputFilter, child_defaults, is_installed
+from tests.cli._shims import pythonpath_without_torch
 from tests.conftest import BACKEND
 
 TIMEOUT_S = 300  # A hang fails the test instead of stalling the suite.
@@ -89,28 +90,8 @@ def test_the_process_that_raised_is_named_not_the_peer_it_broke_jax(tmp_path):
     assert "Gloo all-reduce failed" in result.stdout
 
 
-# A shim that hides torch from this Python, as an installation without it would.
-HIDE_TORCH = """
-import importlib.abc
-import sys
-
-
-class _NoTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _NoTorch())
-"""
-
-
 def test_a_backend_that_is_not_installed_is_named_before_any_process_starts(tmp_path):
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(HIDE_TORCH)
-    pythonpath = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+    pythonpath = pythonpath_without_torch(tmp_path)
     hidden = subprocess.run(
         [sys.executable, "-c", "import torch"],
         env=dict(os.environ, PYTHONPATH=pythonpath),
