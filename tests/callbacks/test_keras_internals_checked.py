@@ -10,6 +10,8 @@ from keras_accel.callbacks import BackupAndRestore, History, LearningRateSchedul
 from keras_accel.utils import keras_internals
 from tests.helpers import compiled_mlp, data
 
+pytestmark = pytest.mark.torch  # A plain model.fit with keras_accel's callbacks, on every backend.
+
 CALLBACKS = {
     "LearningRateScheduler": lambda tmp: LearningRateScheduler(lambda epoch: 0.01),
     "History": lambda tmp: History(path=str(tmp / "history.json")),
