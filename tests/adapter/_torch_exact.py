@@ -7,8 +7,11 @@ process count: custom metrics and per-row randomness. Usage: python _torch_exact
 - `RunningMax`, a running maximum stored in a variable of Keras's default aggregation "sum"
   (summing the processes' maxima would be wrong);
 - `RowCount`, whose `result()` returns its variable itself (read outside any reduction);
-- `Dropout(0.3, seed=5)` and an unseeded `GaussianNoise`, training: the global batch's
-  draw, not one draw repeated in every process.
+- `Dropout(0.3, seed=5)`, an unseeded `GaussianNoise` (Keras's seed generator, its seed
+  drawn from the seeded Python generator) and an unseeded `Dropout(0.2)` (Keras's torch
+  backend draws it from torch's global generator, which `Accelerator(seed=0)` seeds alike
+  in every process), training: the global batch's draw, not one draw repeated in every
+  process.
 
 Every process writes what it saw to OUT-<process>.npz.
 """
@@ -69,6 +72,7 @@ with acc.scope():
             keras.layers.Dense(16),
             keras.layers.Dropout(0.3, seed=5),
             keras.layers.GaussianNoise(0.5),
+            keras.layers.Dropout(0.2),  # Unseeded: torch's own generator, seeded alike.
             keras.layers.Dense(3),
         ]
     )

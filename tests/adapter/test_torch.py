@@ -227,9 +227,9 @@ def test_users_metrics_are_the_global_batchs_in_every_process(exact_runs, path):
 
 @pytest.mark.parametrize("path", ("fit", "loop"))
 def test_dropout_draws_the_global_batchs_mask(exact_runs, path):
-    """Dropout(0.3, seed=5) and GaussianNoise, 2 epochs on 45 rows in batches of 8: the
-    weights of 2 processes are those of one process on the global batch (with process 1
-    drawing process 0's mask they differed by 0.09)."""
+    """Dropout(0.3, seed=5), GaussianNoise and an unseeded Dropout, 2 epochs on 45 rows in
+    batches of 8: the weights of 2 processes are those of one process on the global batch
+    (with process 1 drawing process 0's mask they differed by 0.09)."""
     one, first, second = exact_runs
     keys = [k for k in one if k.startswith(f"{path}/w")]
     assert len(keys) == 4
