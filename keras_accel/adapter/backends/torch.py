@@ -14,8 +14,11 @@ several processes one training, for the duration of each call, on the instances 
   and loss scaling included;
 - **exact numbers**: a padded batch weights each process's real rows by the global batch's
   real row count (`row_count`), BatchNormalization sums its moments across processes
-  (`all_reduce_sum`, differentiable), and metrics report the state summed over every
-  process's rows (`global_result`);
+  (`all_reduce_sum`, differentiable), and Keras's metrics report the state summed over
+  every process's rows (`global_result`); users' metrics, whose state need not be a sum,
+  update on the global batch's rows, gathered (`torch_rows.GatheredMetrics`);
+- **one draw**: Dropout and the other per-row random layers draw the global batch's
+  numbers while training, as one process does (`torch_rows.GlobalRowDraws`);
 - **every prediction**: each batch's outputs are gathered in process order, so `predict`
   returns every row, in order, on every process.
 
