@@ -313,17 +313,10 @@ class KerasInternalsError(InternalsError):
     """A Keras internal that keras_accel relies on is missing from the installed Keras."""
 
 
-def _error(where: str, name: str, why: str, library: str = "Keras") -> KerasInternalsError:
-    """The error for a missing internal; `library="TensorFlow"` for TensorFlow's own."""
-    if library == "TensorFlow":
-        import tensorflow as tf
-
-        version = f"TensorFlow {tf.__version__} (with Keras {keras.__version__})"
-    else:
-        version = f"Keras {keras.__version__}"
+def _error(where: str, name: str, why: str) -> KerasInternalsError:
     return KerasInternalsError(
-        f"keras_accel relies on the {library} internal `{name}` of {where} ({why}), which "
-        f"{version} does not have. keras_accel is tested with Keras "
+        f"keras_accel relies on the Keras internal `{name}` of {where} ({why}), which Keras "
+        f"{keras.__version__} does not have. keras_accel is tested with Keras "
         f"{TESTED_KERAS}: install the pinned versions with `pip install -c constraints.txt -e"
         f' ".[all]"`, or report this Keras version to keras_accel.'
     )
