@@ -571,17 +571,24 @@ def install_loss_trackers(patches: Patches, model) -> None:
         # Multi-output models: one tracker per output loss.
         for metric in compile_loss.metrics:
             if metric is not None:
-                patches.set(metric, "update_state", _row_weighted_update(metric.update_state))
+                update = _row_weighted_update(metric.update_state, per_output=True)
+                patches.set(metric, "update_state", update)
 
     after_build(patches, compile_loss, install)
 
 
-def _row_weighted_update(original):
+def _row_weighted_update(original, per_output: bool = False):
     def update_state(values, sample_weight=None):
         count = _ROW_COUNT.get()
         # Keras's built-in steps weight the batch loss by the batch's row count (a scalar);
-        # a custom step that averages its losses unweighted keeps doing so.
-        if count is not None and sample_weight is not None and _is_scalar(sample_weight):
+        # a custom step that averages its losses unweighted keeps doing so. Keras's own
+        # per-output trackers (`per_output`) get the row count as the prediction's static
+        # first dimension, None where the traced step does not know it (TensorFlow's
+        # evaluation): they are weighted by the real rows all the same.
+        unknown = per_output and sample_weight is None
+        if count is not None and (
+            unknown or (sample_weight is not None and _is_scalar(sample_weight))
+        ):
             sample_weight = count()
         elif count is not None and sample_weight is not None and _is_scalar(values):
             # A step of the user's handing the batch's weights on with its one loss value
