@@ -19,7 +19,12 @@ from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.layouts import LayoutReport
 from keras_accel.adapter.pipeline import is_pipeline, preprocessor, with_made_targets
 from keras_accel.adapter.session import FunctionCache, Session
-from keras_accel.adapter.steps import StepContract, honours_sample_weight, overrides
+from keras_accel.adapter.steps import (
+    StepContract,
+    honours_sample_weight,
+    overrides,
+    overrides_any_step,
+)
 from keras_accel.adapter.strategies import check_strategy_name, resolve
 from keras_accel.data import sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
@@ -460,19 +465,26 @@ class Accelerator:
         """Check that `model` can run on this Accelerator: a `keras.Model` built and compiled
         in `scope()`, and a Keras that has every internal keras_accel relies on. `fit`,
         `evaluate` and `predict` call this. It changes nothing on the model: what those
-        calls install lasts exactly as long as they run."""
+        calls install lasts exactly as long as they run.
+
+        Where the scope lays variables out (several devices on JAX or TensorFlow), a model
+        built or compiled outside it is an error naming it. On one device, and on torch
+        (every process holds a whole copy on its own device, placed by Keras), the scope
+        places nothing: a model built outside it is the same model and trains the same,
+        except that `mixed_precision=` applies only to layers made inside."""
         _check_is_model(model)
         keras_internals.check_model(model)
         runtime = self._runtime
         if runtime.native is None:
             return model
         where = "`with acc.scope():` so its variables are laid out over the devices"
+        name = f"{type(model).__name__} {model.name!r}"
         detail = runtime.model_misplaced(model)
         if detail is not None:
             raise RuntimeError(
                 f"The model was built outside `acc.scope()`: {detail}, but this Accelerator "
-                f"spreads work over {self.num_replicas} replicas. Build and compile it inside "
-                f"{where}."
+                f"spreads work over {self.num_replicas} replicas. Build and compile {name} "
+                f"inside {where}."
             )
         for stage, variables in _variables_by_stage(model):
             for variable in variables:
@@ -483,9 +495,9 @@ class Accelerator:
                         f"{variable.path!r} {detail}, but this Accelerator spreads work over "
                         f"{self.num_replicas} replicas. "
                         + (
-                            "Compile it (again) inside "
+                            f"Compile {name} (again) inside "
                             if stage == "compiled"
-                            else "Build and compile it inside "
+                            else f"Build and compile {name} inside "
                         )
                         + f"{where}."
                     )
@@ -505,7 +517,7 @@ class Accelerator:
         first = (
             None
             if first_contract is None
-            else functools.partial(_first_batch, data, batches, first_contract)
+            else functools.partial(_first_batch, data, batches, first_contract, model)
         )
         return Session(
             model,
@@ -591,6 +603,7 @@ class Accelerator:
         self.prepare(model)
         verbose = _chief_only(verbose)
         x = _standardize_inputs(model, x)
+        _check_text_targets(model, y, "y")
         if validation_split:
             if validation_data is not None:
                 raise ValueError(
@@ -606,6 +619,7 @@ class Accelerator:
         if validation_data is not None:
             vx, vy, vsw = _unpack(validation_data)
             vx = _standardize_inputs(model, vx)
+            _check_text_targets(model, vy, "validation_data's y")
             vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
             val = self.feeder.batches(vx, vy, vbatch, False, vsw, None, False, None, True)
             val = with_made_targets(val, preprocessor(model))
@@ -678,6 +692,7 @@ class Accelerator:
         self.prepare(model)
         verbose = _chief_only(verbose)
         x = _standardize_inputs(model, x)
+        _check_text_targets(model, y, "y")
         batch_size = self._default_batch_size(model, x, batch_size)
         batches = self.feeder.batches(
             x, y, batch_size, False, sample_weight, None, False, None, True
@@ -854,7 +869,7 @@ def _check_evaluation(batches, name: str) -> None:
         )
 
 
-def _first_batch(data, batches, contract: StepContract):
+def _first_batch(data, batches, contract: StepContract, model=None):
     """The first batch of `data` as the model's step sees it (arrays, or tf.data tensors),
     for Keras's symbolic build; text is described as a "string" tensor, which Keras reads
     where numpy's `str`/`object` dtypes are refused."""
@@ -867,6 +882,8 @@ def _first_batch(data, batches, contract: StepContract):
         x, y, sample_weight, _ = batches.first_batch()
     else:  # A tf.data.Dataset.
         x, y, sample_weight, _ = unpack(next(iter(data.take(1))))
+    if model is not None:
+        _check_text_targets(model, y, "the first batch's y")
     x, y, sample_weight = keras.tree.map_structure(_symbolic_text, (x, y, sample_weight))
     if y is None:
         return (x,)
@@ -876,6 +893,37 @@ def _first_batch(data, batches, contract: StepContract):
         # value per time step.
         sample_weight = None
     return (x, y, sample_weight) if contract.pass_weights else (x, y)
+
+
+def _check_text_targets(model, y, where: str) -> None:
+    """Targets must be numbers for a compiled loss: text targets would otherwise fail inside
+    the model's build with the backend's own words (JAX's "data type 'string' not
+    understood", torch's `KeyError: 'string'`, TF's "Cast string to float"). A step of the
+    user's may read text itself, and a keras-hub preprocessor maps its own targets."""
+    if y is None or overrides_any_step(model) or preprocessor(model) is not None:
+        return
+    leaves = keras.tree.flatten(y)
+    for leaf in leaves:
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "OUS":
+            if leaf.dtype.kind == "O" and not any(isinstance(v, (str, bytes)) for v in leaf.flat):
+                continue
+            shown = str(leaf.dtype)
+        elif getattr(dtype, "name", None) == "string":  # A tf.string tensor.
+            shown = "string"
+        elif isinstance(leaf, (str, bytes)):  # A list of labels.
+            shown, leaf = type(leaf).__name__, leaves
+        else:
+            continue
+        first = np.asarray(leaf).reshape(-1)[:3].tolist()
+        raise ValueError(
+            f"The targets are text, which the loss of {type(model).__name__} {model.name!r} "
+            f"cannot compare with its predictions. Received: {where} of dtype {shown} "
+            f"(first values {first}). Map the labels to integers before training: a "
+            "`keras.layers.StringLookup(num_oov_indices=0)` adapted to them, on the arrays "
+            "(`y = lookup(y)`) or in the data pipeline (`ds.map(lambda x, y: (x, lookup(y)))`), "
+            "or `np.unique(y, return_inverse=True)[1]`."
+        )
 
 
 def _symbolic_text(leaf):

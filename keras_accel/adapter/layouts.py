@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterator, Sequence
 
 from keras_accel.state import tree
@@ -160,6 +161,22 @@ def describe(model, place, title: str) -> LayoutReport:
             )
         )
     return LayoutReport(title, rows)
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of a Keras dtype name ("float32", "bfloat16", "int8", "bool"), read
+    from the name: numpy has no bfloat16, and torch's and TF's dtypes are not numpy's.
+
+    >>> itemsize("float32"), itemsize("bfloat16"), itemsize("bool"), itemsize("float8_e4m3fn")
+    (4, 2, 1, 1)
+    """
+    name = str(dtype)
+    bits = re.search(r"\d+", name)
+    if bits is None:
+        if name == "bool":
+            return 1
+        raise ValueError(f"No size known for dtype {name!r}. Received: dtype={dtype!r}")
+    return max(int(bits.group()) // 8, 1)
 
 
 def _shape(shape: tuple) -> str:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-from keras import ops
+from keras import backend, ops
 
-from keras_accel.adapter.layouts import Placement
+from keras_accel.adapter.layouts import Placement, itemsize
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.strategies import Plan
 
@@ -71,7 +70,8 @@ class Runtime:
             layout=self.plan.devices[0],
             per_device_shape=tuple(variable.shape),
             num_devices=1,
-            itemsize=np.dtype(value.dtype).itemsize,
+            # Keras's name of the array's dtype: torch's dtypes are not numpy's.
+            itemsize=itemsize(backend.standardize_dtype(value.dtype)),
         )
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:

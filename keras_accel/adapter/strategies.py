@@ -35,6 +35,9 @@ class Strategy:
         devices_on: for a "data_model" mesh without `mesh_shape`, the axis that gets every
             device: "model" (`model_parallel`: (1, N)) or "data" (`fsdp`: (N, 1)).
         builders: backend name -> `Builder`, filled in by the backends.
+        runs_on: the backends whose modules build it (for a built-in strategy), named by
+            errors before those modules are imported: each registers its builders only
+            when it loads, and one process loads one backend.
     """
 
     name: str
@@ -43,6 +46,7 @@ class Strategy:
     platform: str | None = None
     devices_on: str = "model"
     builders: dict[str, Builder] = dataclasses.field(default_factory=dict)
+    runs_on: tuple[str, ...] = ()
 
 
 class StrategyRegistry(collections.abc.Mapping):
@@ -114,6 +118,7 @@ class StrategyRegistry(collections.abc.Mapping):
         entry = Strategy(name, description, mesh, platform, devices_on)
         if name in self._entries:  # An override keeps the builders it does not replace.
             entry.builders.update(self._entries[name].builders)
+            entry.runs_on = self._entries[name].runs_on
         self._entries[name] = entry
         for backend, build in builders.items():
             self.builder(name, backend)(build)
@@ -167,7 +172,7 @@ class StrategyRegistry(collections.abc.Mapping):
             )
         build = entry.builders.get(backend)
         if build is None:
-            on = sorted(entry.builders) or ["none"]
+            on = sorted(set(entry.builders) | set(entry.runs_on)) or ["none"]
             raise ValueError(
                 f"strategy={plan.strategy!r} has no builder for KERAS_BACKEND={backend}; it "
                 f"builds on: {', '.join(on)}. Use one of those backends, or register a "
@@ -227,6 +232,20 @@ STRATEGIES.register(
     "auto picks under a multi-worker TF_CONFIG; JAX: data_parallel)",
 )
 BUILT_IN = frozenset(STRATEGIES)
+# The backends that build each built-in name (TensorFlow's model_parallel and fsdp builders
+# only refuse, naming JAX).
+_EVERY_BACKEND = ("jax", "tensorflow", "torch")
+for _name, _on in {
+    "single": _EVERY_BACKEND,
+    "data_parallel": _EVERY_BACKEND,
+    "mirrored": ("jax", "tensorflow"),
+    "model_parallel": ("jax",),
+    "fsdp": ("jax",),
+    "tpu": ("jax", "tensorflow"),
+    "multi_worker": ("jax", "tensorflow"),
+}.items():
+    STRATEGIES.entry(_name).runs_on = _on
+del _name, _on
 
 PLATFORM_ORDER = ("tpu", "gpu", "cpu")
 

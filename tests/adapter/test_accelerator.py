@@ -112,12 +112,15 @@ def test_seed_gives_identical_initial_weights():
         np.testing.assert_array_equal(a, b)
 
 
-def test_model_built_outside_scope_is_refused():
+def test_model_built_outside_scope_is_refused_naming_it():
     acc = Accelerator()
     model = compiled_mlp()
     x, y = data(32)
-    with pytest.raises(RuntimeError, match="built outside `acc.scope\\(\\)`"):
+    with pytest.raises(RuntimeError, match="built outside `acc.scope\\(\\)`") as info:
         acc.fit(model, x, y, batch_size=16, verbose=0)
+    assert f"Build and compile Sequential {model.name!r} inside `with acc.scope():`" in str(
+        info.value
+    )
 
 
 def test_a_compiled_metric_created_outside_scope_is_named_before_a_step():
@@ -131,12 +134,78 @@ def test_a_compiled_metric_created_outside_scope_is_named_before_a_step():
         acc.evaluate(model, x, y, batch_size=16, verbose=0)
 
 
-def test_single_device_accepts_a_model_built_anywhere():
-    acc = Accelerator(strategy="single")
-    model = compiled_mlp()
+@pytest.mark.torch
+def test_single_device_trains_a_model_built_anywhere_as_one_built_inside():
+    # One device (and torch: a whole copy in each process): the scope places nothing, so a
+    # model built outside it is the same model, and trains to the same weights.
+    acc = Accelerator(strategy="single", seed=0)
+    outside = compiled_mlp(batchnorm=False)
+    with acc.scope():
+        inside = compiled_mlp(batchnorm=False)
+    inside.set_weights(outside.get_weights())
     x, y = data(20)
-    history = acc.fit(model, x, y, batch_size=8, epochs=1, verbose=0)
-    assert len(history.history["loss"]) == 1
+    for model in (outside, inside):
+        history = acc.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        assert len(history.history["loss"]) == 2
+    for a, b in zip(weights_of(outside), weights_of(inside)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("source", ["arrays", "list", "tf.data", "validation_data"])
+def test_text_targets_are_named_before_the_model_builds(backend, source):
+    acc = Accelerator(seed=0)
+    with acc.scope():
+        model = compiled_mlp()
+    x, _ = data(24)
+    labels = np.array(["cat", "dog", "eel"] * 8)
+    if source == "arrays":
+        call = lambda: acc.fit(model, x, labels, batch_size=8, verbose=0)  # noqa: E731
+        received = "y of dtype <U3 (first values ['cat', 'dog', 'eel'])"
+    elif source == "list":
+        call = lambda: acc.evaluate(model, x, labels.tolist(), batch_size=8, verbose=0)  # noqa
+        received = "y of dtype str (first values ['cat', 'dog', 'eel'])"
+    elif source == "tf.data":
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices((x, labels)).batch(8)
+        call = lambda: acc.fit(model, ds, verbose=0)  # noqa: E731
+        received = "the first batch's y of dtype string (first values [b'cat', b'dog', b'eel'])"
+    else:
+        _, y = data(24)
+        val = (x, labels)
+        call = lambda: acc.fit(model, x, y, batch_size=8, validation_data=val, verbose=0)  # noqa
+        received = "validation_data's y of dtype <U3"
+    with pytest.raises(ValueError, match="The targets are text") as info:
+        call()
+    message = str(info.value)
+    assert f"Received: {received}" in message
+    assert "keras.layers.StringLookup(num_oov_indices=0)" in message
+    # What the message advises trains.
+    lookup = keras.layers.StringLookup(num_oov_indices=0)
+    lookup.adapt(labels)
+    y = keras.ops.convert_to_numpy(lookup(labels))
+    assert sorted(set(y.tolist())) == [0, 1, 2]
+    history = acc.fit(model, x, y, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.torch
+def test_describe_reads_every_backends_arrays(backend):
+    acc = Accelerator(strategy="single")
+    with acc.scope():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2, name="out", dtype="bfloat16")], name="net"
+        )
+        model.compile("adam", "mse")
+    model.optimizer.build(model.trainable_variables)
+    report = acc.describe(model)
+    rows = {row.path: row for row in report}
+    assert rows["net/out/kernel"].dtype == "bfloat16"
+    assert rows["net/out/kernel"].bytes_per_device == 4 * 2 * 2
+    assert report.bytes_per_device("model") == (8 + 2) * 2
+    assert report.total_bytes("optimizer") > 0
+    assert str(report).startswith("net under single on 1 device:")
 
 
 def test_unsupported_backend_is_a_clear_error():

@@ -69,6 +69,20 @@ def test_build_names_what_is_missing(registry):
         registry.build(plan, "tensorflow", layout_map=object())
 
 
+@pytest.mark.torch
+def test_a_built_in_name_without_a_builder_here_names_the_backends_it_builds_on(backend):
+    # A process loads one backend, so the others' builders are not registered: the entry
+    # still says where the name builds.
+    assert STRATEGIES.entry("fsdp").runs_on == ("jax",)
+    assert "torch" in STRATEGIES.entry("data_parallel").runs_on
+    if backend == "jax":
+        pytest.skip("fsdp builds on JAX")
+    with pytest.raises(ValueError, match=rf"strategy='fsdp'.*KERAS_BACKEND={backend}") as info:
+        Accelerator(strategy="fsdp")
+    assert "JAX" in str(info.value) or "builds on: jax." in str(info.value)
+    assert "none" not in str(info.value)
+
+
 def test_built_in_names_stay():
     with pytest.raises(ValueError, match="'single' is built in"):
         STRATEGIES.unregister("single")
