@@ -76,7 +76,13 @@ class Schedule(keras.optimizers.schedules.LearningRateSchedule):
     @property
     def needs_total_steps(self) -> bool:
         """Whether the schedule still lacks the training length it needs to be evaluated."""
-        return self._missing_training_length() is not None
+        return self.missing_training_length is not None
+
+    @property
+    def missing_training_length(self) -> str | None:
+        """Why the schedule cannot be evaluated yet (the training length it lacks, in
+        words), or `None` once it can."""
+        return self._missing_training_length()
 
     def with_total_steps(self, total_steps: int, *, steps_per_epoch: int | None = None) -> Schedule:
         """A copy of this schedule that knows the length of training.

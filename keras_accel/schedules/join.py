@@ -118,7 +118,7 @@ class Join(Schedule):
             return "its boundaries are fractions of training and `total_steps` is not set"
         for start, schedule in self._pieces:
             if isinstance(schedule, Schedule) and schedule.needs_total_steps:
-                reason = schedule._missing_training_length()
+                reason = schedule.missing_training_length
                 return f"the {type(schedule).__name__} from step {start} needs it: {reason}"
         return None
 

@@ -115,7 +115,7 @@ class Warmup(Schedule):
                 " and `total_steps` is not set"
             )
         if isinstance(self._after, Schedule) and self._after.needs_total_steps:
-            reason = self._after._missing_training_length()
+            reason = self._after.missing_training_length
             return f"the {type(self._after).__name__} after the warmup needs it: {reason}"
         return None
 
