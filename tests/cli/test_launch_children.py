@@ -38,19 +38,22 @@ def _launch(tmp_path, body, *options, **env):
     )
 
 
-# Process 1 raises in the middle of a fit; process 0 then dies of the broken collective (gloo's
-# "Connection closed by peer"), after process 1's traceback, and often in the same poll.
-RAISE_IN_1 = """
+# One process raises in the middle of a fit; the other then dies of the broken collective
+# (gloo's "Connection closed by peer"), after the first one's traceback, often in the same poll.
+RAISE_IN = """
+    import os
+
     import keras
     import numpy as np
     from keras_accel import Accelerator
 
     acc = Accelerator(seed=0)
+    RAISER = int(os.environ["RAISER"])
 
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if acc.process_index == 1 and batch == 3:
-                raise ValueError("boom in process 1")
+            if acc.process_index == RAISER and batch == 3:
+                raise ValueError(f"boom in process {RAISER}")
 
     with acc.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -61,31 +64,35 @@ RAISE_IN_1 = """
 """
 
 
-def _assert_process_1_is_named(result):
+def _assert_the_raiser_is_named(result, raiser):
     out, err = result.stdout, result.stderr
+    peer = 1 - raiser
     assert result.returncode == 1, out[-3000:] + err[-3000:]
-    assert "ValueError: boom in process 1" in out
-    # Process 0 failed too (the collective), but it is not the cause.
-    assert "failed: process 1 (exit code 1)" in err, err
-    assert "process 0 (pid" not in err and "failed: process 0" not in err, err
+    assert f"ValueError: boom in process {raiser}" in out
+    # The peer failed too (the collective), but it is not the cause.
+    assert f"failed: process {raiser} (exit code 1)" in err, err
+    assert f"process {peer} (pid" not in err and f"failed: process {peer}" not in err, err
     assert "finished" not in out
 
 
+# Both ways round: the cause is found by when its error came, not by its index.
 @pytest.mark.torch
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's gloo processes")
-def test_the_process_that_raised_is_named_not_the_peer_it_broke_torch(tmp_path):
-    result = _launch(tmp_path, RAISE_IN_1, "-n", "2", KERAS_BACKEND="torch")
-    _assert_process_1_is_named(result)
-    # Process 0's error did come: gloo's (a closed connection, or a reset one) blames the peer.
+@pytest.mark.parametrize("raiser", [1, 0])
+def test_the_process_that_raised_is_named_not_the_peer_it_broke_torch(tmp_path, raiser):
+    result = _launch(tmp_path, RAISE_IN, "-n", "2", KERAS_BACKEND="torch", RAISER=str(raiser))
+    _assert_the_raiser_is_named(result, raiser)
+    # The peer's error did come: gloo's (a closed connection, or a reset one) blames the raiser.
     assert "Check the logs of the remote worker" in result.stdout
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's distributed runtime and CPU collectives")
-def test_the_process_that_raised_is_named_not_the_peer_it_broke_jax(tmp_path):
-    result = _launch(tmp_path, RAISE_IN_1, "-n", "2", KERAS_BACKEND="jax")
-    _assert_process_1_is_named(result)
+@pytest.mark.parametrize("raiser", [1, 0])
+def test_the_process_that_raised_is_named_not_the_peer_it_broke_jax(tmp_path, raiser):
+    result = _launch(tmp_path, RAISE_IN, "-n", "2", KERAS_BACKEND="jax", RAISER=str(raiser))
+    _assert_the_raiser_is_named(result, raiser)
     # jaxlib's "[Gloo] Rank r is connected to 1 peer ranks" lines (all peers there) are left
-    # out; the processes did use Gloo, as process 0's error says.
+    # out; the processes did use Gloo, as the peer's error says.
     assert "[Gloo]" not in result.stdout
     assert "Gloo all-reduce failed" in result.stdout
 
