@@ -69,8 +69,14 @@ from keras_accel.utils.optimizers import inner_optimizer
 __all__ = ["CustomLoop", "StepGroup"]
 
 
-def per_example_losses(loss, y_true, y_pred):
-    """The loss of every row: `[batch]`, from a Keras `Loss` (used unreduced) or a function.
+def per_example_losses(loss, y_true, y_pred, weights=None):
+    """The weighted loss of every row: `[batch]`, from a Keras `Loss` (used unreduced) or a
+    function, times `weights`.
+
+    A loss with one value per time step or pixel (sequence targets) is the mean of its
+    row's values, weighted by per-step weights where `weights` has them (a temporal
+    `(batch, steps)` weight); where the prediction carries a Keras mask
+    (`Embedding(mask_zero=True)`), the mean over the row's unmasked steps.
 
     Raises:
         ValueError: the loss is a scalar (already reduced over the batch: padding and
@@ -78,6 +84,7 @@ def per_example_losses(loss, y_true, y_pred):
     """
     from keras import ops
 
+    step_mask = keras_internals.keras_mask(keras.tree.flatten(y_pred)[0])
     if isinstance(loss, keras.losses.Loss):
         # As Loss.__call__ does before its reduction: in the loss's dtype (float32 under a
         # mixed-precision policy, where predictions are float16 or bfloat16).
@@ -101,21 +108,82 @@ def per_example_losses(loss, y_true, y_pred):
             f"The loss must return one loss per example: its first axis must be the "
             f"batch's, {rows} rows. Received: shape {tuple(values.shape)} from {_name(loss)}."
         )
-    if len(values.shape) > 1:  # Per-timestep or per-pixel losses: their mean per example.
-        values = ops.mean(values, axis=tuple(range(1, len(values.shape))))
-    return values
+    if weights is not None:
+        weights = ops.cast(weights, "float32")
+    if len(values.shape) == 1:
+        return values if weights is None else values * _row_weights(weights, values)
+    # Per-timestep or per-pixel losses: their (weighted, unmasked) mean per example.
+    axes = tuple(range(1, len(values.shape)))
+    counted = ops.ones_like(values)
+    if step_mask is not None and len(step_mask.shape) == len(values.shape):
+        counted = ops.cast(step_mask, "float32")
+    steps = ops.maximum(ops.sum(counted, axis=axes), 1.0)
+    if weights is not None and len(weights.shape) > 1:
+        counted = counted * _to_rank(weights, len(values.shape))
+        weights = None
+    per = ops.sum(values * counted, axis=axes) / steps
+    return per if weights is None else per * weights
+
+
+def _to_rank(weights, rank: int):
+    """Weights of a loss per step, `(rows, steps)`, brought to the loss's rank as Keras
+    does: a trailing axis of 1 squeezed, or axes of 1 appended (`(rows, 1)` broadcasts)."""
+    from keras import ops
+
+    while len(weights.shape) > rank and weights.shape[-1] == 1:
+        weights = ops.squeeze(weights, axis=-1)
+    if len(weights.shape) < rank:
+        weights = ops.reshape(weights, tuple(weights.shape) + (1,) * (rank - len(weights.shape)))
+    return weights
+
+
+def _row_weights(weights, values):
+    """Weights for one loss per row: `(rows,)`, or `(rows, 1)` squeezed."""
+    from keras import ops
+
+    if len(weights.shape) == 2 and weights.shape[-1] == 1:
+        return ops.squeeze(weights, axis=-1)
+    return weights
+
+
+def _metric_weights(weights, y_pred):
+    """A row's weight, `(rows,)`, shaped for a metric of this prediction: one value per row
+    and step (the prediction's last axis reduced), as Keras's metrics compute them; per-step
+    weights as they are; and as the Keras mask where the prediction has one (Keras folds
+    the mask into the weights in place, which torch cannot broadcast)."""
+    from keras import ops
+
+    leaf = keras.tree.flatten(y_pred)[0]
+    rank = max(1, len(leaf.shape) - 1)
+    if len(weights.shape) < rank:
+        weights = ops.reshape(weights, (-1,) + (1,) * (rank - 1))
+    step_mask = keras_internals.keras_mask(leaf)
+    if step_mask is not None and len(step_mask.shape) == len(weights.shape):
+        weights = weights * ops.ones_like(step_mask, dtype=weights.dtype)
+    return weights
 
 
 def metric_updates(loop, y_true, y_pred, per_example, weights, mask):
     """`(metric, args, sample_weight)` for each of the loop's metrics, in `all_metrics()`
     order: what every backend's step updates them with. The loss tracker averages the
-    weighted per-example losses over the real rows; metrics count the real rows; weighted
-    metrics weigh them by the sample weights too. Padding rows count nowhere."""
-    yield loop.loss_tracker, (per_example * weights,), mask
+    weighted per-example losses (`per_example_losses(..., weights)`) over the real rows;
+    metrics count the real rows; weighted metrics weigh them by the sample weights too.
+    Padding rows count nowhere."""
+    from keras import ops
+
+    yield loop.loss_tracker, (per_example,), mask
+    row_mask = _metric_weights(ops.cast(mask, "float32"), y_pred)
     for metric in loop.metrics:
-        yield metric, (y_true, y_pred), mask
-    for metric in loop.weighted_metrics:
-        yield metric, (y_true, y_pred), weights * mask
+        yield metric, (y_true, y_pred), row_mask
+    if loop.weighted_metrics:
+        weighted = ops.cast(weights, "float32")
+        if len(weighted.shape) > 1:
+            weighted = weighted * _to_rank(ops.cast(mask, "float32"), len(weighted.shape))
+        else:
+            weighted = weighted * ops.cast(mask, "float32")
+        weighted = _metric_weights(weighted, y_pred)
+        for metric in loop.weighted_metrics:
+            yield metric, (y_true, y_pred), weighted
 
 
 def update_metrics(loop, y_true, y_pred, per_example, weights, mask, update=None) -> None:

@@ -1,6 +1,6 @@
 """One process of a torch run (or the one-process reference) of a token tagger on uneven
 data: a loss per time step under a Keras mask (`Embedding(mask_zero=True)`), per-step
-weights. Usage: python _torch_sequences.py OUT
+weights; fit, evaluate and the custom loop. Usage: python _torch_sequences.py OUT
 
 21 rows in global batches of 8: the last batch holds 5 rows (padded; 4 real rows in process
 0, 1 in process 1), and the processes' unmasked steps differ in every batch, so the loss is
@@ -53,5 +53,26 @@ for name, kwargs in (("plain", {}), ("weighted", {"sample_weight": weights})):
         out[f"{name}/evaluate/{key}"] = np.asarray(value)
 for i, weight in enumerate(model.get_weights()):
     out[f"w{i}"] = weight
+
+# The custom loop: each row's loss the mean over its unmasked steps, per-step weights.
+with acc.scope():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((STEPS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    loop = acc.loop(
+        keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden)),
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("weighted_accuracy")],
+    )
+for epoch in range(2):
+    loop.reset_metrics()
+    for batch in loop.batches(tokens, tags, BATCH, sample_weight=weights, epoch=epoch):
+        loop.train_step(batch)
+    for key, value in loop.results().items():
+        out[f"loop/{epoch}/{key}"] = np.asarray(value)
+for i, weight in enumerate(loop.model.get_weights()):
+    out[f"loop/w{i}"] = weight
 
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)

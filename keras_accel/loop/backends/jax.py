@@ -222,9 +222,9 @@ class Steps:
 
         def loss_of(trainable, non_trainable):
             y_pred, non_trainable = self._forward(trainable, non_trainable, x, mask, True)
-            per = per_example_losses(loop.loss, y, y_pred)
+            per = per_example_losses(loop.loss, y, y_pred, weights)
             # The global batch's mean over its real rows: compute_average_loss's rule.
-            value = ops.sum(per * weights) / ops.maximum(ops.sum(mask), 1.0)
+            value = ops.sum(per) / ops.maximum(ops.sum(mask), 1.0)
             return loop.optimizer.scale_loss(value), (y_pred, non_trainable, per)
 
         (_, (y_pred, non_trainable, per)), grads = jax.value_and_grad(loss_of, has_aux=True)(
@@ -241,7 +241,7 @@ class Steps:
         trainable, non_trainable, metric_vars = state
         x, y, weights, mask = unpack(batch)
         y_pred, _ = self._forward(trainable, non_trainable, x, mask, False)
-        per = per_example_losses(self.loop.loss, y, y_pred)
+        per = per_example_losses(self.loop.loss, y, y_pred, weights)
         metric_vars = self._update_metrics(metric_vars, y, y_pred, per, weights, mask)
         return trainable, non_trainable, metric_vars
 

@@ -175,11 +175,11 @@ class Steps:
         real = all_reduce_sum([tf.reduce_sum(mask)])[0]
         with tf.GradientTape() as tape:
             y_pred = self._forward(x, mask, training=True)
-            per = per_example_losses(loop.loss, y, y_pred)
+            per = per_example_losses(loop.loss, y, y_pred, weights)
             # This replica's share of the global batch's mean over real rows (what
             # tf.nn.compute_average_loss gives): the optimizer sums the replicas' gradients
             # (see above) into the gradient of that mean.
-            value = tf.reduce_sum(per * weights) / tf.maximum(real, 1.0)
+            value = tf.reduce_sum(per) / tf.maximum(real, 1.0)
             scaled = loop.optimizer.scale_loss(value)
         gradients = tape.gradient(scaled, model.trainable_variables)
         loop.optimizer.apply(gradients, model.trainable_variables)
@@ -191,7 +191,7 @@ class Steps:
 
         x, y, weights, mask = unpack(batch)
         y_pred = self._forward(x, mask, training=False)
-        per = per_example_losses(self.loop.loss, y, y_pred)
+        per = per_example_losses(self.loop.loss, y, y_pred, weights)
         update_metrics(self.loop, y, y_pred, per, weights, mask)
 
     def _predict(self, batch):

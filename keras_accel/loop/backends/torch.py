@@ -133,10 +133,10 @@ class Steps:
         with self._installed():
             model.zero_grad()
             y_pred = self._forward(x, mask, training=True)
-            per = per_example_losses(loop.loss, y, y_pred)
+            per = per_example_losses(loop.loss, y, y_pred, weights)
             # This process's share of the global mean over real rows, times the process
             # count: averaged over the processes, the gradients are the global mean's.
-            value = torch.sum(per * weights) / torch.clamp(real, min=1.0)
+            value = torch.sum(per) / torch.clamp(real, min=1.0)
             scaled = loop.optimizer.scale_loss(value * self.world)
             scaled.backward()
         variables = model.trainable_variables
@@ -154,7 +154,7 @@ class Steps:
         x, y, weights, mask = unpack(batch)
         with torch.no_grad(), self._installed():
             y_pred = self._forward(x, mask, training=False)
-            per = per_example_losses(self.loop.loss, y, y_pred)
+            per = per_example_losses(self.loop.loss, y, y_pred, weights)
             self._update_metrics(y, y_pred, per, weights, mask)
 
     def train_group(self, group) -> None:
