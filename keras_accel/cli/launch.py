@@ -7,8 +7,14 @@ strategies) and torchrun's `WORLD_SIZE`/`RANK`/`LOCAL_RANK`/`MASTER_ADDR`/`MASTE
 (`torch.distributed`), so the same script, unchanged, runs here and on a pod. Their output is
 streamed line by line, prefixed with the process index. The launch ends with the first failure: the
 other processes get SIGTERM, then SIGKILL after `--grace` seconds, and the message names the
-process that failed and how. SIGTERM or Ctrl-C to the launcher is passed on to every process
-(a preemption: `keras_accel.callbacks.BackupAndRestore` saves, then the process exits).
+process whose error came first and how (not a peer that its end broke). SIGTERM or Ctrl-C to
+the launcher is passed on to every process (a preemption:
+`keras_accel.callbacks.BackupAndRestore` saves, then the process exits).
+
+Before any process starts, a Keras backend that is chosen but not installed is one error. Unless
+the user set them, processes get `TF_CPP_MIN_LOG_LEVEL=2` and, on torch, `OMP_NUM_THREADS=1`
+(as torchrun); start-up lines that cannot be quieted where they start (TensorFlow's before
+absl's log is set up, jaxlib's Gloo connections) are left out (`OutputFilter`).
 
 Example:
     keras-accel launch -n 2 --devices-per-process 4 train.py --epochs 3
