@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_type(parse_batch_sizes),
         default=None,
         metavar="B1,B2,...",
-        help="global batch sizes (default: the seed's 256,1024,4096,8192,16384,50000)",
+        help="global batch sizes (default: the CIFAR-10 write-up's 256,1024,4096,8192,16384,50000)",
     )
     add(
         "--epochs",
@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--width",
         type=_positive_float,
         default=1.0,
-        help="width multiplier of the seed MLP/CNN (default: 1.0, the seed's model)",
+        help="width multiplier of the CIFAR-10 MLP/CNN (default: 1.0, the write-up's model)",
     )
     add(
         "--mixed-precision",

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="time the seed models by batch size and backend, with MFU and OOM rows",
+        help="time the CIFAR-10 MLP and CNN by batch size and backend, with MFU and OOM rows",
         description="Time a model by batch size (and backend), each configuration in its own "
         "process: seconds per epoch, microseconds per step, compile time, memory, MFU.",
     )
