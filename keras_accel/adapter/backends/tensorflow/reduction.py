@@ -90,7 +90,7 @@ class GatheredMetrics:
     others), a MEAN, ONLY_FIRST_REPLICA or NONE variable in every replica. Every read then
     gives the global state: Keras's logs (its `result()` inside a step reads as a
     cross-replica read would), `evaluate`, the custom loop's `results()`, a read after the
-    call, a checkpoint. Cost per update: one all-gather per input tensor and one
+    call. Cost per update: one all-gather per input tensor and one
     all-reduce of the metric's state.
     """
 
