@@ -2,7 +2,8 @@
 process count: custom metrics and per-row randomness. Usage: python _torch_exact.py OUT
 
 45 rows in global batches of 8 (the last batch holds 5 rows: padded, 4 real rows in process
-0 and 1 in process 1), through `Accelerator.fit`, `evaluate` and the custom loop:
+0 and 1 in process 1), through `Accelerator.fit`, `evaluate` (also of a model whose own
+`test_step` updates them) and the custom loop:
 
 - `RunningMax`, a running maximum stored in a variable of Keras's default aggregation "sum"
   (summing the processes' maxima would be wrong);
@@ -103,4 +104,32 @@ for i, w in enumerate(model.get_weights()):
     out[f"loop/w{i}"] = w
 for name, value in loop.evaluate(x, y, batch_size=7).items():
     out[f"loop_evaluate/{name}"] = np.asarray(value)
+
+
+class Peaked(keras.Model):
+    """A custom test step that updates a user's metric itself (tracked on the model)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.peak = RunningMax(name="peak")
+        self.rows = RowCount(name="rows")
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        self.peak.update_state(y, y_pred, sample_weight)
+        self.rows.update_state(y, y_pred, sample_weight)
+        return {"peak": self.peak.result(), "rows": self.rows.result()}
+
+
+with acc.scope():
+    keras.utils.set_random_seed(2)
+    peaked = Peaked()
+    peaked.compile(keras.optimizers.SGD(0.1), LOSS)
+for name, value in acc.evaluate(peaked, x, y, batch_size=7, verbose=0, return_dict=True).items():
+    out[f"custom_step/{name}"] = np.asarray(value)
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **{k: np.asarray(v) for k, v in out.items()})

@@ -212,13 +212,15 @@ def exact_runs(tmp_path_factory):
     return [dict(np.load(work / f"{name}.npz")) for name in ("one-0", "two-0", "two-1")]
 
 
-@pytest.mark.parametrize("path", ("fit", "evaluate", "loop", "loop_evaluate"))
+@pytest.mark.parametrize("path", ("fit", "evaluate", "loop", "loop_evaluate", "custom_step"))
 def test_users_metrics_are_the_global_batchs_in_every_process(exact_runs, path):
     """A running maximum kept in a "sum" variable, and a row count whose result() is its
     variable: each process reported its own rows before (24 and 21 rows where one process
-    counts 45; the maxima summed), the chief logging a wrong number."""
+    counts 45; the maxima summed), the chief logging a wrong number. Also where a model's
+    own test_step updates them."""
     one, first, second = exact_runs
-    for name in ("running_max", "rows", "loss"):
+    names = ("peak", "rows") if path == "custom_step" else ("running_max", "rows", "loss")
+    for name in names:
         key = f"{path}/{name}"
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
         np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
