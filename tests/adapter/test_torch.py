@@ -279,6 +279,17 @@ def test_a_process_draws_its_rows_of_the_global_batchs_numbers(make):
     assert len(states) == 2 and np.array_equal(*states)  # The seed generators' states.
 
 
+def test_a_layer_that_draws_nothing_is_left_alone():
+    from keras_accel.adapter.backends import torch_rows
+    from keras_accel.adapter.patches import Patches
+
+    layers = [keras.layers.Dropout(0.0), keras.layers.GaussianNoise(0.0), keras.layers.Dropout(0.1)]
+    model = keras.Sequential([keras.Input((4,)), *layers])
+    with Patches() as patches:
+        assert torch_rows.GlobalRowDraws(world=2, rank=0).install(patches, model) == 1
+        assert [("call" in vars(layer)) for layer in layers] == [False, False, True]
+
+
 def test_a_users_metric_updated_with_a_batch_value_is_refused_by_name():
     from keras_accel.adapter.backends import torch_rows
 

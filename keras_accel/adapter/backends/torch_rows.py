@@ -42,6 +42,12 @@ RANDOM_ROW_LAYERS: tuple[type, ...] = (
 )
 
 
+def draws(layer) -> bool:
+    """Whether `layer` draws anything: a rate or a noise of 0 (keras-hub's models with
+    `dropout=0`) returns its input as it is, which no process count changes."""
+    return all(getattr(layer, name, None) != 0 for name in ("rate", "stddev"))
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -182,7 +188,7 @@ class GlobalRowDraws:
         """Installs on every `RANDOM_ROW_LAYERS` layer of `model`; returns how many."""
         count = 0
         for layer in keras_internals.flatten_layers(model):
-            if isinstance(layer, RANDOM_ROW_LAYERS):
+            if isinstance(layer, RANDOM_ROW_LAYERS) and draws(layer):
                 patches.set(layer, "call", self._global(layer.call))
                 count += 1
         return count

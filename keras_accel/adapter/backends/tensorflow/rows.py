@@ -24,7 +24,7 @@ def install_global_row_draws(patches, model) -> int:
     # Read at each call: the list a user extends (torch_rows.RANDOM_ROW_LAYERS, the one
     # list of both backends; it imports no torch).
     for layer in keras_internals.flatten_layers(model):
-        if isinstance(layer, torch_rows.RANDOM_ROW_LAYERS):
+        if isinstance(layer, torch_rows.RANDOM_ROW_LAYERS) and torch_rows.draws(layer):
             patches.set(layer, "call", _global(layer.call))
             count += 1
     return count
