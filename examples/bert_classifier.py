@@ -1,4 +1,4 @@
-"""The first seed's BERT text classifier, both ways: `model.fit`, and a custom training loop.
+"""The BERT write-up's text classifier, both ways: `model.fit`, and a custom training loop.
 
     KERAS_BACKEND=jax python examples/bert_classifier.py --loop fit
     KERAS_BACKEND=tensorflow python examples/bert_classifier.py --loop custom --virtual-devices 8
@@ -59,9 +59,9 @@ def main() -> int:
     parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=512, help="made-up training examples")
-    parser.add_argument("--batch-size", type=int, default=16, help="global batch (the seed's)")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch (the write-up's)")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help="default 3e-5 with --preset (the seed's), else 3e-3")  # fmt: skip
+                        help="default 3e-5 with --preset (the write-up's), else 3e-3")  # fmt: skip
     parser.add_argument("--sequence-length", type=int, default=32)
     parser.add_argument("--data", default=None, help="a label<TAB>text file of your own")
     parser.add_argument("--preset", default=None, help="a local keras-hub BERT preset")

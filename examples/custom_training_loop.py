@@ -1,4 +1,4 @@
-"""The seed's CIFAR-10 MLP through a custom training loop: one loop for JAX and TensorFlow.
+"""The CIFAR-10 benchmark's MLP through a custom training loop: one loop for JAX and TensorFlow.
 
     KERAS_BACKEND=jax python examples/custom_training_loop.py
     KERAS_BACKEND=tensorflow python examples/custom_training_loop.py --virtual-devices 8

@@ -1,4 +1,4 @@
-"""Train the seed's CIFAR-10 MLP through the Accelerator, on whatever devices this machine has.
+"""Train the CIFAR-10 benchmark's MLP through the Accelerator, on whatever devices there are.
 
     KERAS_BACKEND=jax python examples/quickstart.py
     KERAS_BACKEND=tensorflow python examples/quickstart.py --virtual-devices 8
@@ -82,7 +82,7 @@ def main() -> None:
 
     with acc.scope():
         model = compile_seed(mlp(input_shape=x_train.shape[1:], num_classes=10))
-    print(f"model:    the seed MLP, {model.count_params():,} parameters")
+    print(f"model:    the CIFAR-10 benchmark's MLP, {model.count_params():,} parameters")
 
     steps = -(-len(x_train) // args.batch_size)
     print(f"training: {args.epochs} epoch(s) of {steps} steps of {args.batch_size} rows", end="")
