@@ -291,7 +291,7 @@ def test_a_layer_that_draws_nothing_is_left_alone():
 
 
 def test_a_users_metric_updated_with_a_batch_value_is_refused_by_name():
-    from keras_accel.adapter.backends import torch_rows
+    from keras_accel.adapter.backends import global_rows, torch_rows
 
     class BatchMax(keras.metrics.Metric):
         def update_state(self, value):
@@ -301,7 +301,7 @@ def test_a_users_metric_updated_with_a_batch_value_is_refused_by_name():
             return 0.0
 
     metric = BatchMax(name="batch_max")
-    assert list(torch_rows.user_metrics([keras.metrics.Mean(), metric])) == [metric]
+    assert list(global_rows.user_metrics([keras.metrics.Mean(), metric])) == [metric]
     with pytest.raises(ValueError, match=r"'batch_max' \(BatchMax\) was updated with a scalar"):
         torch_rows.RowGather().rows(metric, ((keras.ops.convert_to_tensor(1.0),), {}))
     with pytest.raises(ValueError, match=r"different first dimensions \[\(4, 3\), \(3,\)\]"):

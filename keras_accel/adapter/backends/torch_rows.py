@@ -15,12 +15,12 @@ r the rows `[r * n, (r + 1) * n)` of `P * n`). Two things are not exact from a s
   process computes the update on the whole batch.
 - **per-row random draws.** A Dropout layer draws its mask with the shape of its input: from
   the same seed, every process would draw the mask of the global batch's first rows
-  (process 1's mask would be process 0's). During training each such layer (`RANDOM_ROW_LAYERS`)
-  runs on a global-batch-shaped input instead, this process's rows at its offset and zeros
-  elsewhere, and keeps its own rows of the output (`GlobalRowDraws`): every process draws the
-  global batch's mask, as one process does, and the seed generator advances once per call,
-  as in one process. Cost: P times that layer's elementwise work and memory (see
-  docs/accelerator.md, "torch").
+  (process 1's mask would be process 0's). During training each such layer
+  (`global_rows.RANDOM_ROW_LAYERS`) runs on a global-batch-shaped input instead, this
+  process's rows at its offset and zeros elsewhere, and keeps its own rows of the output
+  (`GlobalRowDraws`): every process draws the global batch's mask, as one process does, and
+  the seed generator advances once per call, as in one process. Cost: P times that layer's
+  elementwise work and memory (see docs/accelerator.md, "torch").
 """
 
 from __future__ import annotations
@@ -29,49 +29,14 @@ from collections.abc import Callable
 
 import keras
 
+from keras_accel.adapter.backends.global_rows import draws, user_metrics
 from keras_accel.utils import keras_internals
-
-# Layers whose randomness is drawn per row, from the shape of their input's batch: they draw
-# the global batch's numbers in every process. A layer of the user's that draws per row can
-# be added here (its `call(inputs, training=...)` must keep the batch on axis 0).
-RANDOM_ROW_LAYERS: tuple[type, ...] = (
-    keras.layers.Dropout,  # SpatialDropout1D/2D/3D are Dropouts.
-    keras.layers.GaussianNoise,
-    keras.layers.GaussianDropout,
-    keras.layers.AlphaDropout,
-)
-
-
-def draws(layer) -> bool:
-    """Whether `layer` draws anything: a rate or a noise of 0 (keras-hub's models with
-    `dropout=0`) returns its input as it is, which no process count changes."""
-    return all(getattr(layer, name, None) != 0 for name in ("rate", "stddev"))
 
 
 def _dist():
     import torch.distributed as dist
 
     return dist
-
-
-def is_keras_metric(metric) -> bool:
-    """Whether `metric` is an instance of one of Keras's own classes, whose state is summed
-    over processes exactly (sums and counts, Keras's default aggregation); a subclass of the
-    user's may keep any state."""
-    return type(metric).__module__.startswith("keras.src.")
-
-
-def user_metrics(metrics):
-    """The metrics in `metrics` (inside Keras's per-output containers too) that update
-    state themselves and are not Keras's own."""
-    for metric in metrics or []:
-        if metric is None:
-            continue
-        inner = getattr(metric, "metrics", None)
-        if is_keras_metric(metric) and isinstance(inner, (list, tuple)) and inner is not metrics:
-            yield from user_metrics(inner)
-        elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
-            yield metric
 
 
 class GatheredMetrics:
@@ -185,10 +150,10 @@ class GlobalRowDraws:
         self.rank = rank
 
     def install(self, patches, model) -> int:
-        """Installs on every `RANDOM_ROW_LAYERS` layer of `model`; returns how many."""
+        """Installs on every layer of `model` that `global_rows.draws`; returns how many."""
         count = 0
         for layer in keras_internals.flatten_layers(model):
-            if isinstance(layer, RANDOM_ROW_LAYERS) and draws(layer):
+            if draws(layer):
                 patches.set(layer, "call", self._global(layer.call))
                 count += 1
         return count

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed
 
+from keras_accel.adapter.backends import global_rows, torch_rows
 from keras_accel.adapter.backends import torch as runtime_torch
-from keras_accel.adapter.backends import torch_rows
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
@@ -186,7 +186,7 @@ class Steps:
             update_metrics(self.loop, y, y_pred, per, weights, mask, update=self._update)
 
     def _update(self, metric, y, y_pred, sample_weight):
-        if self.world > 1 and not torch_rows.is_keras_metric(metric):
+        if self.world > 1 and not global_rows.is_keras_metric(metric):
             y, y_pred, sample_weight = self._gather.rows(metric, (y, y_pred, sample_weight))
         metric.update_state(y, y_pred, sample_weight=sample_weight)
 
@@ -201,7 +201,7 @@ class Steps:
         metrics = self.loop.all_metrics()
         variables = [v for metric in metrics for v in metric.variables]
         # Users' metrics were updated on the global batch: global already.
-        local = {id(v) for m in torch_rows.user_metrics(metrics) for v in m.variables}
+        local = {id(v) for m in global_rows.user_metrics(metrics) for v in m.variables}
         values = runtime_torch.reduced_values(variables, local)
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             yield

@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_accel.adapter.backends.global_rows import user_metrics
 from keras_accel.adapter.steps import ROW_MASK, after_build
 from keras_accel.utils import keras_internals
 
@@ -56,25 +57,6 @@ def _read(metric) -> list:
 
 def _per_replica(variable) -> bool:
     return isinstance(variable.value, tf.distribute.DistributedValues)
-
-
-def is_keras_metric(metric) -> bool:
-    """Whether `metric` is an instance of one of Keras's own classes, whose state (sums and
-    counts) the replicas' states add up to; a subclass of the user's may keep any state."""
-    return type(metric).__module__.startswith("keras.src.")
-
-
-def user_metrics(metrics):
-    """The metrics in `metrics` (inside Keras's per-output containers too) that update
-    state themselves and are not Keras's own."""
-    for metric in metrics or []:
-        if metric is None:
-            continue
-        inner = getattr(metric, "metrics", None)
-        if is_keras_metric(metric) and isinstance(inner, (list, tuple)) and inner is not metrics:
-            yield from user_metrics(inner)
-        elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
-            yield metric
 
 
 class GatheredMetrics:

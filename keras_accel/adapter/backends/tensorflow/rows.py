@@ -4,7 +4,7 @@ Under a `tf.distribute` strategy each replica runs the model on its own rows (re
 the rows `[r * n, (r + 1) * n)` of the global batch of `P * n`), and a Dropout layer draws
 its mask with the shape of its input: from the same seed, every replica would draw the mask
 of the global batch's first rows, where one device draws one mask for the whole batch.
-During training each such layer (`torch_rows.RANDOM_ROW_LAYERS`) runs on a
+During training each such layer (`global_rows.RANDOM_ROW_LAYERS`) runs on a
 global-batch-shaped input instead, this replica's rows at its offset and zeros elsewhere,
 and keeps its own rows of the output: every replica draws one device's numbers. Cost: P
 times that layer's elementwise work and memory (docs/accelerator.md).
@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_accel.adapter.backends import torch_rows
+from keras_accel.adapter.backends.global_rows import draws
 from keras_accel.utils import keras_internals
 
 
 def install_global_row_draws(patches, model) -> int:
-    """Installs on every `RANDOM_ROW_LAYERS` layer of `model`; returns how many."""
+    """Installs on every layer of `model` that `global_rows.draws`; returns how many."""
     count = 0
-    # Read at each call: the list a user extends (torch_rows.RANDOM_ROW_LAYERS, the one
-    # list of both backends; it imports no torch).
     for layer in keras_internals.flatten_layers(model):
-        if isinstance(layer, torch_rows.RANDOM_ROW_LAYERS) and torch_rows.draws(layer):
+        if draws(layer):
             patches.set(layer, "call", _global(layer.call))
             count += 1
     return count
