@@ -30,6 +30,8 @@ import json
 import os
 import sys
 
+from keras_accel.utils import library_internals
+
 SWITCH = "KERAS_ACCEL_DISTRIBUTED"
 KERAS_VARIABLES = (
     "KERAS_DISTRIBUTION_JOB_ADDRESSES",
@@ -278,7 +280,7 @@ def exit_on_uncaught_error() -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(1)
+        library_internals.exit_now(1)
 
     sys.excepthook = hook
     _exit_hook_installed = True

@@ -128,18 +128,9 @@ def _torch_barrier(name: str) -> None:
 def _coordination_client():
     """The JAX distributed runtime's client (its key-value store on the coordinator), or a
     clear error. `jax.distributed.initialize` makes it; JAX has no public accessor."""
-    try:
-        from jax._src import distributed
+    from keras_accel.utils import library_internals
 
-        client = distributed.global_state.client
-    except (ImportError, AttributeError) as error:  # pragma: no cover - a JAX change
-        import jax
-
-        raise RuntimeError(
-            "keras_accel agrees on the end of per-process data through the JAX distributed "
-            "runtime's key-value store (`jax._src.distributed.global_state.client`), which "
-            f"this JAX ({jax.__version__}) does not have."
-        ) from error
+    client = library_internals.jax_distributed_client()
     if client is None:
         raise RuntimeError(
             "Several JAX processes but no distributed runtime client: call "

@@ -49,21 +49,6 @@ BOUND = 10
 # (file, name): why. Short, one reason each. For an import, the name is the private module's
 # path or the private name imported.
 ALLOWED = {
-    ("keras_accel/utils/cluster.py", "_exit"): (
-        "stdlib: os._exit is documented API; to go through library_internals.exit_now"
-    ),
-    ("keras_accel/adapter/backends/torch.py", "_version"): (
-        "torch: Tensor._version, listed in library_internals; to read it through "
-        "library_internals.tensor_version"
-    ),
-    ("keras_accel/adapter/backends/jax.py", "_refuse_preprocessing"): (
-        "data.sources' public refuse_preprocessing imported under a private spelling; to be "
-        "imported by its own name"
-    ),
-    ("keras_accel/utils/process.py", "jax._src"): (
-        "JAX's distributed client, listed in library_internals; to read it through "
-        "library_internals.jax_distributed_client"
-    ),
     ("keras_accel/data/tfdata.py", "tensorflow.python.data.experimental.ops"): (
         "TensorFlow's compute_batch_size, listed in library_internals; to read it through "
         "library_internals.tf_compute_batch_size"

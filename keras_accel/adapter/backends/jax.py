@@ -19,8 +19,12 @@ from keras_accel.adapter.steps import overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan, check_built
 from keras_accel.data.batching import flatten
 from keras_accel.data.pydataset import StaticBatchDataset, stream
-from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
-from keras_accel.data.sources import refuse_preprocessing as _refuse_preprocessing
+from keras_accel.data.sources import (
+    ArrayBatches,
+    IterableBatches,
+    PyDatasetBatches,
+    refuse_preprocessing,
+)
 from keras_accel.utils import keras_internals
 from keras_accel.utils.devices import parse_device_name
 from keras_accel.utils.printing import print_msg
@@ -400,7 +404,7 @@ class Runtime(runtime.Runtime):
 
             return GrainPasses(own.with_preprocess(preprocess), carry_mask=True)
         if isinstance(batches, IterableBatches):
-            _refuse_preprocessing(batches, preprocess)
+            refuse_preprocessing(batches, preprocess)
             return stream(batches, carry_mask=carry_mask, rows=rows)
         if isinstance(batches, PyDatasetBatches) or (
             isinstance(batches, ArrayBatches) and preprocess is None

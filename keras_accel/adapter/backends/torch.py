@@ -43,7 +43,7 @@ from keras_accel.adapter.steps import after_build, install_global_results, overr
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
-from keras_accel.utils import keras_internals
+from keras_accel.utils import keras_internals, library_internals
 
 # A process whose peers stop answering fails after this many seconds (a collective's
 # timeout, and the wait for every process to join), as JAX's heartbeat does.
@@ -493,7 +493,7 @@ class GradientBuckets:
         grads = [p.grad for p in self.buckets[index]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = _dist().all_reduce(flat, async_op=True)
-        return work, flat, grads, [g._version for g in grads]
+        return work, flat, grads, [library_internals.tensor_version(g) for g in grads]
 
     def averaged(self, grads: list, variables) -> list:
         """`grads` with the averages of what the backward pass sent in place; `done` then
@@ -510,7 +510,7 @@ class GradientBuckets:
             work.wait()
             places = [position.get(id(p)) for p in self.buckets[index]]
             usable = all(
-                i is not None and grads[i] is g and g._version == v
+                i is not None and grads[i] is g and library_internals.tensor_version(g) == v
                 for i, g, v in zip(places, sent_grads, versions)
             )
             if not usable:  # Not the gradients this step applies: `apply` averages them.

@@ -25,7 +25,7 @@ from keras_accel.adapter.strategies import Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
-from keras_accel.utils import keras_internals
+from keras_accel.utils import keras_internals, library_internals
 
 
 class Runtime(runtime.Runtime):
@@ -237,7 +237,7 @@ class Distributed(tf.distribute.DistributedDataset):
         self.dataset = dataset
 
     def __iter__(self):
-        with keras_internals.tf_device_datasets_without_autotune():
+        with library_internals.tf_device_datasets_without_autotune():
             return iter(self.dataset)
 
     @property
