@@ -326,14 +326,16 @@ class Accelerator:
         collectives, how batches reach the devices): what `acc.loop` builds on."""
         return self._runtime
 
-    def _training_batches(self, model, x, y, batch_size, shuffle, sample_weight, class_weight):
+    def _training_batches(
+        self, model, x, y, batch_size, shuffle, sample_weight, class_weight, kind=None
+    ):
         """The training batches, with the remainder policy for steps that cannot be told
         which rows are padding: without targets nothing weights padding out of a loss, and a
         model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
 
         def make(remainder):
             batches = self.feeder.batches(
-                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True
+                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True, kind
             )
             return with_made_targets(batches, preprocessor(model))
 
@@ -602,7 +604,8 @@ class Accelerator:
         (a `keras.callbacks.History`) as Keras."""
         self.prepare(model)
         verbose = _chief_only(verbose)
-        x = _standardize_inputs(model, x)
+        kind = sources.classify(x)  # Once: the feeder takes it as it is (`sources.classify`).
+        x = _standardize_inputs(model, x, kind)
         _check_text_targets(model, y, "y")
         if validation_split:
             if validation_data is not None:
@@ -610,18 +613,21 @@ class Accelerator:
                     "Pass either validation_split or validation_data, not both. Received: "
                     f"validation_split={validation_split} and validation_data."
                 )
-            (x, y, sample_weight), validation_data = _split(x, y, sample_weight, validation_split)
+            (x, y, sample_weight), validation_data = _split(
+                x, y, sample_weight, validation_split, kind
+            )
         train = self._training_batches(
-            model, x, y, batch_size, shuffle, sample_weight, class_weight
+            model, x, y, batch_size, shuffle, sample_weight, class_weight, kind
         )
         self._batch_sizes[model] = train.plan.batch_size
         val = None
         if validation_data is not None:
             vx, vy, vsw = _unpack(validation_data)
-            vx = _standardize_inputs(model, vx)
+            vkind = sources.classify(vx)
+            vx = _standardize_inputs(model, vx, vkind)
             _check_text_targets(model, vy, "validation_data's y")
-            vbatch = (validation_batch_size or batch_size) if sources.is_array_input(vx) else None
-            val = self.feeder.batches(vx, vy, vbatch, False, vsw, None, False, None, True)
+            vbatch = (validation_batch_size or batch_size) if vkind == sources.ARRAYS else None
+            val = self.feeder.batches(vx, vy, vbatch, False, vsw, None, False, None, True, vkind)
             val = with_made_targets(val, preprocessor(model))
             _check_evaluation(val, "validation_data")
             self._check_exact(model, val, "validation_data")
@@ -691,11 +697,12 @@ class Accelerator:
         `batch_size` defaults to the one `fit` last used for this model (else 32)."""
         self.prepare(model)
         verbose = _chief_only(verbose)
-        x = _standardize_inputs(model, x)
+        kind = sources.classify(x)
+        x = _standardize_inputs(model, x, kind)
         _check_text_targets(model, y, "y")
-        batch_size = self._default_batch_size(model, x, batch_size)
+        batch_size = self._default_batch_size(model, kind, batch_size)
         batches = self.feeder.batches(
-            x, y, batch_size, False, sample_weight, None, False, None, True
+            x, y, batch_size, False, sample_weight, None, False, None, True, kind
         )
         batches = with_made_targets(batches, preprocessor(model))
         _check_evaluation(batches, "x")
@@ -735,9 +742,12 @@ class Accelerator:
         are all there once, in the order of the processes' batches, not the pipeline's."""
         self.prepare(model)
         verbose = _chief_only(verbose)
-        x = _standardize_inputs(model, x)
-        batch_size = self._default_batch_size(model, x, batch_size)
-        batches = self.feeder.batches(x, None, batch_size, False, None, None, False, None, True)
+        kind = sources.classify(x)
+        x = _standardize_inputs(model, x, kind)
+        batch_size = self._default_batch_size(model, kind, batch_size)
+        batches = self.feeder.batches(
+            x, None, batch_size, False, None, None, False, None, True, kind
+        )
         data = self._runtime.wrap(batches, True, preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
         length = steps or batches.plan.num_batches
@@ -788,10 +798,10 @@ class Accelerator:
 
         return CustomLoop(self, model, optimizer, loss, metrics, weighted_metrics)
 
-    def _default_batch_size(self, model, x, batch_size):
+    def _default_batch_size(self, model, kind: str, batch_size):
         """Evaluation and prediction default to the training batch size: the step programs
         are then compiled for one batch shape, instead of a second one for Keras's 32."""
-        if batch_size is not None or not sources.is_array_input(x):
+        if batch_size is not None or kind != sources.ARRAYS:
             return batch_size
         return self._batch_sizes.get(model)
 
@@ -812,11 +822,11 @@ def _chief_only(verbose):
     return verbose if process.is_chief() else 0
 
 
-def _standardize_inputs(model, x):
+def _standardize_inputs(model, x, kind: str):
     """Array inputs as numpy; and `[x]` or `(x,)` for a model with one input is `x`, as
     Keras's functional models read it (a one-element list of inputs would otherwise be a
     structure of its own)."""
-    if x is None or not sources.is_array_input(x):
+    if x is None or kind != sources.ARRAYS:
         return x
     x = sources.to_numpy(x, "x")
     if isinstance(x, (list, tuple)) and len(x) == 1 and sources.is_array_input(x[0]):
@@ -1025,8 +1035,8 @@ def _unpack(data):
     return data, None, None
 
 
-def _split(x, y, sample_weight, fraction: float):
-    if not sources.is_array_input(x):
+def _split(x, y, sample_weight, fraction: float, kind: str):
+    if kind != sources.ARRAYS:
         raise ValueError(
             "validation_split works on arrays only (as in Keras). Received x of type "
             f"{type(x).__name__}; pass validation_data instead."

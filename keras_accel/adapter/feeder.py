@@ -34,26 +34,28 @@ class Feeder:
         training,
         remainder,
         own_files=False,
+        kind: str | None = None,
     ):
         """The static batches of one input: `x` (arrays, a tf.data.Dataset, a PyDataset,
         a Python generator or a Grain data set) with its targets and weights, for training
         (`remainder` says what a short last batch does) or for evaluation and prediction
         (every row, the last batch padded). `own_files`: several processes each read their
         own files of a file-backed tf.data pipeline, or their own rows of a batched Grain
-        `MapDataset`, where they all can."""
+        `MapDataset`, where they all can. `kind`: what `x` is (`sources.classify`), where
+        the caller has classified it already; else classified here, once."""
+        if kind is None:
+            kind = sources.classify(x)
         if not training:
             remainder = "pad"  # Evaluation and prediction must see every row.
-        if not sources.is_array_input(x):
-            if class_weight is not None and not (
-                sources.is_tf_dataset(x) or sources.is_py_dataset(x)
-            ):
-                kind = "Python generator" if sources.is_generator(x) else type(x).__name__
+        if kind != sources.ARRAYS:
+            if class_weight is not None and kind not in (sources.TF_DATASET, sources.PY_DATASET):
+                name = "Python generator" if kind == sources.GENERATOR else type(x).__name__
                 raise ValueError(  # Keras's own words, for the inputs Keras refuses it too.
-                    f"Argument `class_weight` is not supported for {kind} inputs. Return "
+                    f"Argument `class_weight` is not supported for {name} inputs. Return "
                     "(x, y, sample_weight) batches from it instead, or pass a tf.data."
                     f"Dataset or a keras.utils.PyDataset. Received: class_weight={class_weight}"
                 )
-            if sources.is_tf_dataset(x):  # Keras's words, and whether it is batched.
+            if kind == sources.TF_DATASET:  # Keras's words, and whether it is batched.
                 from keras_accel.data import tfdata
 
                 tfdata.check_arguments(x, y, batch_size, sample_weight)
@@ -64,7 +66,7 @@ class Feeder:
                     f"With a {type(x).__name__} input, pass targets and weights inside the "
                     f"data set and leave the batching to it. Received also: {', '.join(given)}."
                 )
-        if sources.is_tf_dataset(x):
+        if kind == sources.TF_DATASET:
             from keras_accel.data import tfdata
 
             batches = tfdata.TFDatasetBatches(
@@ -83,7 +85,7 @@ class Feeder:
                     # pipeline's cardinality counts its global batches, not the steps: those
                     # end with the longest process's files, known only when they end.
                     batches.plan = dataclasses.replace(batches.plan, pads=True, num_batches=None)
-        elif sources.is_py_dataset(x):
+        elif kind == sources.PY_DATASET:
             batches = sources.PyDatasetBatches(
                 x,
                 num_replicas=self.num_replicas,
@@ -93,16 +95,18 @@ class Feeder:
                 seed=self.seed,
                 class_weight=class_weight,
             )
-        elif (
-            sources.is_generator(x) or sources.is_grain_dataset(x) or sources.is_torch_dataloader(x)
-        ):
+        elif kind in sources.STREAMS:
             batches = None
-            if own_files and self.num_processes > 1 and sources.is_grain_dataset(x):
+            if own_files and self.num_processes > 1 and kind == sources.GRAIN:
                 # Every process reads only its rows of each batch where it can (all agree).
                 batches = self.runtime.own_rows(x, self.num_replicas, remainder, training)
             if batches is None:
                 batches = sources.IterableBatches(
-                    x, num_replicas=self.num_replicas, remainder=remainder, training=training
+                    x,
+                    num_replicas=self.num_replicas,
+                    remainder=remainder,
+                    training=training,
+                    kind=kind,
                 )
         else:
             if x is None:

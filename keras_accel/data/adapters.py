@@ -55,6 +55,9 @@ def _stack(leaves):
     devices where they lie."""
     import numpy as np
 
+    from keras_accel.data.batching import same_rows
+
+    leaves = same_rows(leaves)  # Batches of a stream that grew: some in larger buckets.
     if all(isinstance(leaf, np.ndarray) for leaf in leaves):
         return np.stack(leaves)
     import jax.numpy as jnp

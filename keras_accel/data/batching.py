@@ -64,6 +64,28 @@ def static_batch_size(batch_size: int, num_replicas: int) -> int:
     return int(math.ceil(batch_size / num_replicas) * num_replicas)
 
 
+def bucket_rows(rows: int, static_rows: int) -> int:
+    """The static size of a batch of `rows` rows in a stream whose first batch set
+    `static_rows` (a replica multiple): `static_rows` itself for a batch that fits, else
+    `static_rows` doubled until it fits. Plain Keras takes batches of any size from a
+    generator, a PyDataset or tf.data; here a larger batch is padded to the next of these
+    buckets, so that a stream of batch sizes up to B compiles at most
+    1 + log2(B / static_rows) step programs (a new size is a new program), each a replica
+    multiple, and every row a batch had is in it."""
+    if rows <= static_rows:
+        return static_rows
+    return static_rows * 2 ** math.ceil(math.log2(rows / static_rows))
+
+
+def share_rows(rows: slice | None, static_rows: int, batch_rows: int) -> slice | None:
+    """One process's `rows` of a global batch of `static_rows` rows, for a batch of
+    `batch_rows` rows (a bucket, `bucket_rows`): the same fraction of it (each process's
+    devices hold the same fraction of any batch, in order)."""
+    if rows is None or batch_rows == static_rows:
+        return rows
+    return slice(rows.start * batch_rows // static_rows, rows.stop * batch_rows // static_rows)
+
+
 def flatten(structure: Any) -> list:
     """The leaves of a nested dict/list/tuple, dict keys in sorted order (None kept)."""
     if isinstance(structure, dict):
@@ -97,7 +119,7 @@ def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     if missing < 0:
         raise ValueError(
             f"A batch of {array.shape[0]} rows does not fit the static batch size of {rows} "
-            "rows. Every batch of a data set must be at most as large as its first batch."
+            "rows: pad it to `bucket_rows(rows, static_rows)` rows instead."
         )
     fill = "" if array.dtype.kind in "OUS" else 0
     padding = np.full((missing,) + array.shape[1:], fill, dtype=array.dtype)
@@ -251,10 +273,12 @@ class StreamPlan:
         )
         return f"a {self.kind} ({length}) in batches of {self.batch_size}"
 
-    def weight_scale(self, index: int, real_rows: int) -> float:
+    def weight_scale(self, index: int, real_rows: int, static_rows: int | None = None) -> float:
         """The factor on a batch's real rows' weights for a plain `model.fit`: the mean over
-        its real rows (training's rule; for evaluation too, since the total is unknown)."""
-        return self.static_rows / real_rows
+        its real rows (training's rule; for evaluation too, since the total is unknown).
+        `static_rows`: the batch's own static size where it outgrew the first
+        (`bucket_rows`)."""
+        return (static_rows or self.static_rows) / real_rows
 
 
 def pad_batch(
@@ -282,6 +306,30 @@ def padding_like(batch: tuple) -> tuple:
     return tuple(map_structure(zeros, part) for part in batch)
 
 
+def same_rows(leaves: Sequence) -> list:
+    """Leaves of several batches padded with zero rows to the largest one's rows: batches
+    of one stream may sit in different buckets (`bucket_rows`), and a group of them run in
+    one compiled program (steps_per_execution) is stacked on a new axis. The rows added are
+    padding everywhere (the row mask and the weights are 0 there too), so every step's
+    results are those of its real rows, as before."""
+    rows = max(int(leaf.shape[0]) for leaf in leaves)
+    if all(int(leaf.shape[0]) == rows for leaf in leaves):
+        return list(leaves)
+    out = []
+    for leaf in leaves:
+        missing = rows - int(leaf.shape[0])
+        if missing:
+            widths = [(0, missing)] + [(0, 0)] * (len(leaf.shape) - 1)
+            if isinstance(leaf, np.ndarray):
+                leaf = np.pad(leaf, widths)
+            else:  # On the devices already (JAX).
+                import jax.numpy as jnp
+
+                leaf = jnp.pad(leaf, widths)
+        out.append(leaf)
+    return out
+
+
 def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
     """The common row count of named structures; a clear error when they disagree."""
     lengths = {}
@@ -307,11 +355,14 @@ def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
     return flat.pop() if flat else 0
 
 
-def element(batch, carry_mask: bool, rows):
+def element(batch, carry_mask: bool, rows, static_rows: int | None = None):
     """One padded batch as Keras's step reads it: `pack(x, y, weights, mask)` with the
-    row mask, or `(x,)` / `(x, y, weights)` without; `rows` picks a slice of its rows."""
+    row mask, or `(x,)` / `(x, y, weights)` without; `rows` picks a slice of its rows (of a
+    batch of `static_rows`; the same fraction of a larger bucket, `share_rows`)."""
     x, y, sample_weight, row_mask = batch
     if rows is not None:
+        if static_rows is not None:
+            rows = share_rows(rows, static_rows, num_rows(row_mask))
         x, y, sample_weight, row_mask = map_structure(
             lambda a: a[rows], (x, y, sample_weight, row_mask)
         )

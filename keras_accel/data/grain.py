@@ -66,7 +66,7 @@ class GrainPasses(PaddedBatchesAdapter):
 
     def _pass(self):
         for batch in self.batches.batches(scale=not self.carry_mask):
-            yield element(batch, self.carry_mask, self.rows)
+            yield element(batch, self.carry_mask, self.rows, self.batches.plan.static_rows)
 
     def keras_accel_first_batch(self):
         # What `Accelerator` builds the model from (`_first_batch`): the stream's first

@@ -42,7 +42,7 @@ class StaticBatchDataset(keras.utils.PyDataset):
 
     def __getitem__(self, index: int):
         batch = self.batches.batch(index, scale=not self.carry_mask)
-        return element(batch, self.carry_mask, self.rows)
+        return element(batch, self.carry_mask, self.rows, self.batches.plan.static_rows)
 
     def on_epoch_end(self) -> None:
         self.batches.on_epoch_end()
@@ -61,6 +61,6 @@ def stream(batches, carry_mask: bool = True, rows=None):
 
     def generate():
         for batch in batches.batches(scale=not carry_mask):
-            yield element(batch, carry_mask, rows)
+            yield element(batch, carry_mask, rows, batches.plan.static_rows)
 
     return generate()

@@ -19,6 +19,7 @@ modules wrap them in what `model.fit` takes.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from keras_accel.data.batching import (
     BatchPlan,
     StreamPlan,
+    bucket_rows,
     check_same_length,
     map_structure,
     num_rows,
@@ -41,6 +43,34 @@ SUPPORTED_INPUTS = (
 )
 
 
+# What a user's `x` is, as `classify` names it: which batches the feeder makes of it.
+ARRAYS = "arrays"
+TF_DATASET = "tf.data.Dataset"
+PY_DATASET = "PyDataset"
+GENERATOR = "generator"
+GRAIN = "Grain data set"
+TORCH_DATALOADER = "torch DataLoader"
+STREAMS = (GENERATOR, GRAIN, TORCH_DATALOADER)  # Read as they come: `IterableBatches`.
+
+
+def classify(value: Any) -> str:
+    """What kind of input `value` is (`ARRAYS`, `TF_DATASET`, `PY_DATASET`, `GENERATOR`,
+    `GRAIN`, `TORCH_DATALOADER`), decided once per call and passed along, so that the
+    facade and the feeder never inspect `x` again. Anything that is none of the data set
+    kinds is arrays (None too: the feeder says `x` is required)."""
+    if is_tf_dataset(value):
+        return TF_DATASET
+    if is_py_dataset(value):
+        return PY_DATASET
+    if is_generator(value):
+        return GENERATOR
+    if is_grain_dataset(value):
+        return GRAIN
+    if is_torch_dataloader(value):
+        return TORCH_DATALOADER
+    return ARRAYS
+
+
 def is_tf_dataset(value: Any) -> bool:
     # Checked by module name so that a JAX-only install never imports TensorFlow here.
     module = type(value).__module__ or ""
@@ -54,13 +84,7 @@ def is_py_dataset(value: Any) -> bool:
 
 
 def is_array_input(value: Any) -> bool:
-    return not (
-        is_py_dataset(value)
-        or is_tf_dataset(value)
-        or is_generator(value)
-        or is_grain_dataset(value)
-        or is_torch_dataloader(value)
-    )
+    return classify(value) == ARRAYS
 
 
 def to_numpy(structure: Any, name: str) -> Any:
@@ -368,8 +392,11 @@ class _Padder:
     """Pads the batches a user's data set yields, one at a time, as they come.
 
     Every batch is padded to the static size (the first batch's rows, rounded up to a
-    replica multiple) and carries its row mask; one larger than the first is an error, one
-    smaller is a partial batch: padded, or skipped under remainder="drop" (training only)."""
+    replica multiple) and carries its row mask; one smaller than the first is a partial
+    batch: padded, or skipped under remainder="drop" (training only). One larger than the
+    static size is padded to the next bucket (`keras_accel.data.batching.bucket_rows`: the
+    static size doubled until it fits), as plain Keras takes batches of any size: the step
+    is compiled once more for each new bucket (noted once per bucket, `note_growth`)."""
 
     def __init__(self, first: tuple, *, num_replicas: int, remainder: str, kind: str):
         x0, y0, sw0 = first
@@ -386,13 +413,6 @@ class _Padder:
         """Whether `batch` is served (False: a partial batch that "drop" skips)."""
         x, y, sw = batch
         rows = num_rows(x)
-        if rows > self.static_rows:
-            raise ValueError(
-                f"{where} of the {self.kind} has {rows} rows, more than its first batch "
-                f"({self.first_rows} rows): keras_accel compiles the step for the first "
-                "batch's size and pads smaller batches up to it. Batch the data with one "
-                "batch size, or put the largest batch first."
-            )
         if (y is None) != (not self.has_targets) or (sw is None) != (not self.weighted):
             raise ValueError(
                 f"{where} of the {self.kind} is {_shape_of(batch)} but its first batch was "
@@ -403,8 +423,33 @@ class _Padder:
 
     def pad(self, batch: tuple, scale: bool = False, plan=None, index: int = 0) -> tuple:
         x, y, sw = batch
-        factor = plan.weight_scale(index, num_rows(x)) if scale else 1.0
-        return pad_batch(x, y, sw, self.static_rows, factor)
+        rows = num_rows(x)
+        static = bucket_rows(rows, self.static_rows)
+        if static != self.static_rows:
+            note_growth(self.kind, self.first_rows, rows, self.static_rows, static)
+        factor = plan.weight_scale(index, rows, static) if scale else 1.0
+        return pad_batch(x, y, sw, static, factor)
+
+
+# (kind, first static size, bucket) triples this process has noted.
+_GROWTH_NOTES: set = set()
+
+
+def note_growth(kind: str, first_rows: int, rows: int, static_rows: int, bucket: int) -> None:
+    """Says once per bucket that a stream's batch outgrew its first batch: a step program
+    is compiled for the bucket (the recompile guard names it too after warm-up)."""
+    key = (kind, static_rows, bucket)
+    if key in _GROWTH_NOTES:
+        return
+    _GROWTH_NOTES.add(key)
+    warnings.warn(
+        f"keras_accel: a batch of the {kind} has {rows} rows, more than its first batch "
+        f"({first_rows} rows, padded to {static_rows}): it is padded to {bucket} rows, and "
+        f"the step is compiled once more for that size (batch sizes up to B cost at most "
+        f"1 + log2(B / {static_rows}) compiled steps). Put the largest batch first, or batch "
+        "the data with one batch size, to compile once.",
+        stacklevel=2,
+    )
 
 
 def _shape_of(batch: tuple) -> str:
@@ -557,12 +602,19 @@ class IterableBatches:
     """
 
     def __init__(
-        self, source: Any, *, num_replicas: int, remainder: str = "pad", training: bool = True
+        self,
+        source: Any,
+        *,
+        num_replicas: int,
+        remainder: str = "pad",
+        training: bool = True,
+        kind: str | None = None,
     ):
-        self.kind = "generator" if is_generator(source) else type(source).__name__
+        generator = (kind or classify(source)) == GENERATOR
+        self.kind = "generator" if generator else type(source).__name__
         self.source = source
         self._iterator = iter(source)
-        self.reiterable = self._iterator is not source and not is_generator(source)
+        self.reiterable = self._iterator is not source and not generator
         try:
             first = next(self._iterator)
         except StopIteration:

@@ -30,48 +30,66 @@ def _rows(x):
     return tf.shape(tf.nest.flatten(x)[0])[0]
 
 
-def _pad_leaf(t, static: int):
+def _bucket(rows, static: int):
+    """`keras_accel.data.batching.bucket_rows` in the graph: `static`, doubled until it
+    holds `rows` (integers only: a float log2 of an exact power may round up)."""
+    static = tf.constant(static, tf.int32)
+    rows = tf.cast(rows, tf.int32)
+    return tf.while_loop(lambda size: size < rows, lambda size: size * 2, [static])[0]
+
+
+def _pad_leaf(t, static: int, target=None):
+    """`t` padded to `static` rows; to `target` (a bucket, a tensor) where the stream's
+    batches may outgrow the first, its batch dimension then unknown to tf.data."""
     t = tf.convert_to_tensor(t)
     rows = tf.shape(t)[0]
-    # The pad must wait for the check, else its negative padding may fail first, with
-    # TensorFlow's "Paddings must be non-negative" (automatic control dependencies order the
-    # stateful ops among themselves, not the pure ops after them).
-    check = tf.debugging.assert_less_equal(
-        rows,
-        static,
-        message=(
-            f"keras_accel: a batch has more rows than the first batch ({static} rows, rounded "
-            "up to a replica multiple): the step is compiled for the first batch's size and "
-            "smaller batches are padded up to it. Batch the data set with one batch size "
-            "(`dataset.batch(n)`)"
-        ),
-    )
     fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
-    with tf.control_dependencies([check]):
-        rows = tf.identity(rows)
+    if target is None:
+        # The pad must wait for the check, else its negative padding may fail first, with
+        # TensorFlow's "Paddings must be non-negative" (automatic control dependencies order
+        # the stateful ops among themselves, not the pure ops after them).
+        check = tf.debugging.assert_less_equal(
+            rows,
+            static,
+            message=(
+                f"keras_accel: a batch has more rows than the pipeline's batch size ({static} "
+                "rows, rounded up to a replica multiple), which its `batch` step fixes: the "
+                "step is compiled for that size. Batch the data set with one batch size "
+                "(`dataset.batch(n)`) as its last step"
+            ),
+        )
+        with tf.control_dependencies([check]):
+            rows = tf.identity(rows)
+        target, first = static, static
+    else:
+        first = None  # Any bucket: tf.data's element spec leaves the rows unknown.
     if t.shape.rank is None:  # E.g. `tf.io.parse_tensor`'s output: the rank is known later.
         zeros = tf.zeros([tf.rank(t) - 1, 2], tf.int32)
-        paddings = tf.concat([[[0, static - tf.cast(rows, tf.int32)]], zeros], axis=0)
+        paddings = tf.concat([[[0, target - tf.cast(rows, tf.int32)]], zeros], axis=0)
         return tf.pad(t, paddings, constant_values=fill)
-    padded = tf.pad(t, [[0, static - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
-    return tf.ensure_shape(padded, [static] + t.shape[1:].as_list())
+    padded = tf.pad(t, [[0, target - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
+    return tf.ensure_shape(padded, [first] + t.shape[1:].as_list())
 
 
-def _padded(static: int, carry_mask: bool, preprocess: Preprocess, scales=None):
+def _padded(
+    static: int, carry_mask: bool, preprocess: Preprocess, scales=None, grows: bool = False
+):
     """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it.
 
     With `carry_mask` (the Accelerator's own steps, `keras_accel.loop`) a batch carries the
     user's weights as they are (1 where none were given; 0 on padding) and the row mask: the
     step weights it. Without (`Accelerator.dataset`, for a plain `model.fit`) the weights are
     scaled here: by the batch plan's table `scales` where the data set's rows are known,
-    else by the batch's own `static / real rows`."""
+    else by the batch's own `static / real rows`. `grows`: a batch larger than `static`
+    is padded to its bucket (`_bucket`) instead of refused."""
     table = None if scales is None else tf.constant(scales, tf.float32)
 
     def fn(index, x, y, sample_weight):
         if preprocess is not None:
             x, y, sample_weight = standardize_element(preprocess(x, y, sample_weight))
-        pad = lambda t: _pad_leaf(t, static)  # noqa: E731
         rows = _rows(x)
+        target = _bucket(rows, static) if grows else None
+        pad = lambda t: _pad_leaf(t, static, target)  # noqa: E731
         if y is None:
             if not carry_mask:
                 return (tf.nest.map_structure(pad, x),)
@@ -84,7 +102,8 @@ def _padded(static: int, carry_mask: bool, preprocess: Preprocess, scales=None):
             if table is not None:
                 scale = tf.gather(table, index)
             else:
-                scale = tf.cast(static, tf.float32) / tf.cast(rows, tf.float32)
+                size = static if target is None else target
+                scale = tf.cast(size, tf.float32) / tf.cast(rows, tf.float32)
             weights = weights * scale
         x, y, weights = (tf.nest.map_structure(pad, t) for t in (x, y, weights))
         if not carry_mask:
@@ -95,10 +114,21 @@ def _padded(static: int, carry_mask: bool, preprocess: Preprocess, scales=None):
 
 
 def take_rows(dataset, rows: slice):
-    """`dataset` with only `rows` of every batch: one process's share of global batches."""
+    """`dataset` with only `rows` of every batch: one process's share of global batches.
+
+    A pipeline whose batches may outgrow its first (`TFDatasetBatches.grows`) says the
+    static size `rows` is a share of (`keras_accel_static_rows`): a larger batch (a bucket,
+    a multiple of it) gives the same fraction of its rows."""
+    static = getattr(dataset, "keras_accel_static_rows", None)
+
+    def cut_leaf(t, size):
+        if static is None:
+            return t[rows.start : rows.stop]
+        return t[rows.start * size // static : rows.stop * size // static]
 
     def cut(element):
-        return tf.nest.map_structure(lambda t: t[rows.start : rows.stop], element)
+        size = None if static is None else _rows(element)
+        return tf.nest.map_structure(lambda t: cut_leaf(t, size), element)
 
     def cut_items(*items):  # tf.data passes a tuple's items apart.
         return cut(items)
@@ -249,12 +279,18 @@ class TFDatasetBatches:
         self.weighted = isinstance(spec, tuple) and len(spec) == 3
         self.source = dataset
         fixed = _fixed_batch_size(spec)
-        rows = fixed or _graph_batch_size(dataset) or self._first_rows()
+        known = fixed or _graph_batch_size(dataset)
+        rows = known or self._first_rows()
         static = static_batch_size(rows, num_replicas)
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
             raise ValueError("The tf.data.Dataset is empty: its cardinality is 0.")
         self.remainder = "pad" if fixed else remainder
+        # Where neither the element spec nor a `batch` step says the batch size (a
+        # generator's batches, `from_generator`), a later batch may be larger than the
+        # first: it is padded to a bucket (`keras_accel.data.batching.bucket_rows`), as
+        # plain Keras takes any size. The batch dimension tf.data reports is then unknown.
+        self.grows = known is None
         self.plan = StreamPlan(
             batch_size=rows,
             static_rows=static,
@@ -273,14 +309,18 @@ class TFDatasetBatches:
         raise ValueError("The tf.data.Dataset is empty: it yielded no batch.")
 
     def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
-        pad = _padded(self.plan.static_rows, carry_mask, preprocess)
+        static = self.plan.static_rows
+        pad = _padded(static, carry_mask, preprocess, grows=self.grows)
         dataset = self.source
         if self.remainder == "drop":
             full = self.plan.batch_size
             dataset = dataset.filter(lambda *e: _rows(_element(e)[0]) >= full)
-        return dataset.map(
+        out = dataset.map(
             lambda *e: pad(None, *_element(e)), num_parallel_calls=tf.data.AUTOTUNE
         ).prefetch(tf.data.AUTOTUNE)
+        if self.grows:
+            out.keras_accel_static_rows = static  # What `take_rows` cuts shares of.
+        return out
 
     def __len__(self) -> int:
         if self.plan.num_batches is None:

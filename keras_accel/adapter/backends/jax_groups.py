@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from keras import distribution as distribution_lib
 
+from keras_accel.data.batching import same_rows
 from keras_accel.utils import keras_internals
 
 KINDS = ("train", "test", "predict")
@@ -177,6 +178,7 @@ def _stack(batches: list):
     batches lie (their batch axis keeps its layout, now axis 1)."""
 
     def stack(*leaves):
+        leaves = same_rows(leaves)  # Batches of a stream that grew: some in larger buckets.
         if all(isinstance(leaf, np.ndarray) for leaf in leaves):
             return np.stack(leaves)
         return jnp.stack(leaves)
