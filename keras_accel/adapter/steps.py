@@ -589,7 +589,7 @@ def _row_weighted_update(original, per_output: bool = False):
         if count is not None and (
             unknown or (sample_weight is not None and _is_scalar(sample_weight))
         ):
-            sample_weight = count()
+            return _final_weight(original, values, count())
         elif count is not None and sample_weight is not None and _is_scalar(values):
             # A step of the user's handing the batch's weights on with its one loss value
             # (Keras's JAX guide): Keras cannot broadcast them; without weights, as plain
@@ -598,6 +598,24 @@ def _row_weighted_update(original, per_output: bool = False):
         return original(values, sample_weight=sample_weight)
 
     return update_state
+
+
+def _final_weight(original, values, weight):
+    """`original(values, sample_weight=weight)` where `weight` is the batch's real row
+    count already, which no wrapper beneath may rescale.
+
+    Once Keras's CompileLoss is built (by an earlier call: `fit` before `evaluate`), its
+    per-output trackers are in `model.metrics`, so `install_own_metrics` has wrapped them
+    too, beneath this wrapper: it takes a padded step's weights for the step's (scaled by
+    `static / real rows`) and divides them by that factor, so that the last batch counted
+    `real rows ** 2 / static` (0.390625 for 0.625 per replica, 8 replicas, 5 real rows of
+    8), and the per-output losses no longer added up to `loss`. The row count is not
+    published while the weight is handed on: such a wrapper leaves it as it is."""
+    token = _ROW_COUNT.set(None)
+    try:
+        return original(values, sample_weight=weight)
+    finally:
+        _ROW_COUNT.reset(token)
 
 
 def _is_scalar(value) -> bool:
