@@ -475,7 +475,11 @@ def install_own_metrics(patches: Patches, model) -> None:
     keras_own = {id(keras_internals.loss_tracker(model))}
     for container in (keras_internals.compile_metrics(model), keras_internals.compile_loss(model)):
         if container is not None:
+            # The container and, once built, what it holds (`model.metrics` lists a built
+            # CompileLoss's per-output trackers themselves).
             keras_own.add(id(container))
+            if container.built:
+                keras_own |= {id(leaf) for leaf in _leaf_metrics(container.metrics)}
     for metric in model.metrics:
         if metric is None or id(metric) in keras_own:
             continue
