@@ -396,29 +396,7 @@ def test_pydataset_unshuffled_equals_keras():
 # ------------------------------------------------------------------ bad inputs
 
 
-def test_a_batch_larger_than_the_first_is_a_clear_error():
-    acc = Accelerator()
-    model, _ = _pair(acc)
-
-    def growing():
-        yield X[:8], Y[:8]
-        yield X[8:24], Y[8:24]
-
-    with pytest.raises(ValueError, match=r"Batch 1 of the generator has 16 rows, more than its"):
-        acc.fit(model, growing(), epochs=1, verbose=0)
-
-
-def test_a_tf_data_batch_larger_than_the_first_is_a_clear_error(tf, num_devices):
-    acc = Accelerator()
-    small = tf.data.Dataset.from_tensor_slices((X[:8], Y[:8])).batch(8)
-    dataset = small.concatenate(tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH))
-    # Found in the pipeline, where the batch is padded (what fit reads), not by a count: the
-    # failed tf.debugging assertion names the batch's 16 rows against the first one's 8
-    # (rounded up to a replica multiple).
-    first = -(-8 // num_devices) * num_devices
-    match = rf"more rows than the first batch \({first} rows.*\] \[16\] .* = \] \[{first}\]"
-    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
-        list(acc.dataset(dataset))
+# A batch larger than the first: tests/adapter/test_growing_batches.py.
 
 
 def test_an_empty_generator_is_a_clear_error():
