@@ -4,7 +4,8 @@
   padded here, one batch at a time, so the data set is never copied whole;
 - `keras.utils.PyDataset` (with or without a length), Python generators and Grain data
   sets: read as they come, each batch padded to the size of the first batch (rounded up to
-  a multiple of the replica count), never counted first;
+  a multiple of the replica count; a larger batch to a bucket, `batching.bucket_rows`),
+  never counted first;
 - `tf.data.Dataset` (where TensorFlow is installed): see `keras_accel.data.tfdata`.
 
 A "batches" object here is backend-free: it has a `plan` (`keras_accel.data.batching.

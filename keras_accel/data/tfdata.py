@@ -251,7 +251,8 @@ class TFDatasetBatches:
     pipeline's cardinality where tf.data knows it (finite, infinite, or unknown: then an
     epoch ends where the data ends, or at `steps_per_epoch`). A short batch is recognised
     where it arrives and padded; its real rows travel with it as the row mask, which is all
-    the step needs to weight it exactly.
+    the step needs to weight it exactly. Where the batch size comes from the first batch
+    only (`grows`), a larger batch is padded to a bucket (`_bucket`).
     """
 
     own_files = None  # This process's own files (`ProcessFiles`), where several share them.
