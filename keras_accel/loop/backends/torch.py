@@ -24,7 +24,7 @@ from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
 from keras_accel.adapter.steps import ROW_MASK
-from keras_accel.data.batching import pack, unpack
+from keras_accel.data.batching import pack, share_rows, unpack
 from keras_accel.data.sources import (
     ArrayBatches,
     IterableBatches,
@@ -84,10 +84,14 @@ class Steps:
                 elements = (batches.batch(i) for i in range(len(batches)))
             else:  # A tf.data pipeline read as numpy.
                 elements = (unpack(e) for e in batches.pipeline(True, None).as_numpy_iterator())
+        static = batches.plan.static_rows
         for x, y, weights, mask in elements:
             element = pack(x, y, weights, mask)
-            if rows is not None:
-                element = keras.tree.map_structure(lambda a, r=rows: np.asarray(a)[r], element)
+            # A batch that grew past the first is padded to a larger bucket: this process
+            # takes the same fraction of it.
+            mine = share_rows(rows, static, len(mask))
+            if mine is not None:
+                element = keras.tree.map_structure(lambda a, r=mine: np.asarray(a)[r], element)
             yield element
 
     # ------------------------------------------------------------------ steps
