@@ -24,7 +24,7 @@ import numpy as np
 
 from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.batching import StreamPlan, element, padding_like, static_batch_size
-from keras_accel.utils import keras_internals
+from keras_accel.utils import library_internals
 
 
 def import_grain():
@@ -174,7 +174,7 @@ class ProcessShare:
 
 def _shareable(source, num_processes: int, num_replicas: int, remainder: str):
     """(batching, rows per pass) where processes can share `source` by rows, else None."""
-    batching = keras_internals.grain_batching(source)
+    batching = library_internals.grain_batching(source)
     if batching is None:
         return None
     size = batching.batch_size

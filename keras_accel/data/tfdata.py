@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from keras_accel.data.batching import StreamPlan, pack, padding_like, static_batch_size
 from keras_accel.data.sources import ArrayBatches, standardize_element
-from keras_accel.utils import keras_internals
+from keras_accel.utils import library_internals
 from keras_accel.utils.printing import print_msg
 
 Preprocess = Callable | None
@@ -515,13 +515,7 @@ def _fixed_batch_size(spec) -> int | None:
 def _graph_batch_size(dataset) -> int | None:
     """The batch size of the pipeline's `batch` transformation, read from its graph without
     reading data (what Keras's multi-process `distribute_dataset` uses); None if unknown."""
-    try:
-        from tensorflow.python.data.experimental.ops import distribute
-
-        size = int(distribute.compute_batch_size(dataset))
-    except Exception:  # Not a pipeline this TensorFlow can analyse: read one batch instead.
-        return None
-    return size if size > 0 else None
+    return library_internals.tf_compute_batch_size(dataset)  # None: read one batch instead.
 
 
 # The ops tf.data's FILE auto-sharding shards by their file names (its `kReaderDatasetOps`,
@@ -650,8 +644,8 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
         # with the pipeline's graph in every process ("tf_auto_shard failed").
         return None
     try:
-        auto_shard_dataset = keras_internals.tf_auto_shard_dataset()
-    except keras_internals.KerasInternalsError as error:
+        auto_shard_dataset = library_internals.tf_auto_shard_dataset()
+    except library_internals.LibraryInternalsError as error:
         # Reading one's own files only saves reading; every process reading the whole
         # pipeline (and keeping its rows) gives the same batches.
         _note_once(f"keras_accel: each process reads the whole pipeline ({error})")

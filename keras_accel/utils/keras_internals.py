@@ -816,13 +816,3 @@ def calling_callback_list(callback):
             return owner
         frame = frame.f_back
     return None
-
-
-# Moved to `library_internals` (TensorFlow's and Grain's own internals): these names stay
-# until data/tfdata.py, data/grain.py and adapter/backends/tensorflow/runtime.py read them
-# from there.
-from keras_accel.utils.library_internals import (  # noqa: E402, F401
-    grain_batching,
-    tf_auto_shard_dataset,
-    tf_device_datasets_without_autotune,
-)

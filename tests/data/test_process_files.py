@@ -74,7 +74,7 @@ def test_where_a_process_cannot_have_its_own_files(tmp_path, why, monkeypatch):
         # Told by its graph, not by tf.data's FILE sharding, which logs an error with the
         # whole graph in every process first ("tf_auto_shard failed", issue 34).
         monkeypatch.setattr(
-            tfdata.keras_internals, "tf_auto_shard_dataset", lambda: pytest.fail("tried")
+            tfdata.library_internals, "tf_auto_shard_dataset", lambda: pytest.fail("tried")
         )
     elif why == "batch not a multiple":
         dataset, processes = _pipeline(_write(tmp_path), batch=6), 4

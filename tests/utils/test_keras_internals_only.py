@@ -48,12 +48,7 @@ BOUND = 10
 
 # (file, name): why. Short, one reason each. For an import, the name is the private module's
 # path or the private name imported.
-ALLOWED = {
-    ("keras_accel/data/tfdata.py", "tensorflow.python.data.experimental.ops"): (
-        "TensorFlow's compute_batch_size, listed in library_internals; to read it through "
-        "library_internals.tf_compute_batch_size"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 _NAMING_CALLS = {"getattr", "setattr", "hasattr", "delattr", "require", "set"}
 _PRIVATE_TREES = ("keras.src", "tensorflow.python")
