@@ -433,8 +433,9 @@ class Accelerator:
 
         Under `strategy="fsdp"` a kernel reads `P(None, 'batch')` (its second dimension
         split over the data axis) and each device holds 1/N of it; under `data_parallel`
-        every variable is "replicated" (JAX) or "mirrored" (TF). On JAX, optimizer slots
-        exist once the optimizer is built (the first `fit`, or `optimizer.build`).
+        every variable is "replicated" (JAX) or "mirrored" (TF). On torch it describes this
+        process's whole copy, on its device (every process holds one). On JAX, optimizer
+        slots exist once the optimizer is built (the first `fit`, or `optimizer.build`).
 
         Example:
 
