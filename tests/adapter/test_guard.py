@@ -156,13 +156,17 @@ def test_a_collected_model_is_forgotten_and_a_new_one_with_its_id_is_not_warm():
     old_id = id(old)
     del old
     gc.collect()
-    # CPython soon hands the freed memory to a new object of the same size: the same id
-    # (measured: after some 500 allocations here), which the guard keyed by id took for warm.
+    # The guard holds models weakly: the collected one leaves no entry behind, so nothing
+    # keyed by its id can make a later model look warm.
+    assert len(g._seen) == 0
+    # CPython often hands the freed memory to a new object of the same size, the same id
+    # (measured: after some 500 allocations here; not guaranteed, as one loaded CI run showed):
+    # a guard keyed by id took it for warm. Every new object, the id's heir if one comes, is cold.
     new = []
-    while len(new) < 100_000 and (not new or id(new[-1]) != old_id):
+    while len(new) < 20_000 and (not new or id(new[-1]) != old_id):
         new.append(_Model())
-    assert id(new[-1]) == old_id, "no new object took the collected one's id"
-    assert not g.is_warm(new[-1], "predict") and len(g._seen) == 0
+    assert not any(g.is_warm(model, "predict") for model in new)
+    assert len(g._seen) == 0
 
 
 def _collect_until(done, timeout_s=30.0):
