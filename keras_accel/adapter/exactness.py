@@ -108,7 +108,17 @@ def _pair(path, y, y_pred):
     return y, y_pred
 
 
+def _as_keras_hands_them(y_true, y_pred, dtype=None):
+    """Targets and predictions as tensors of the loss's (or metric's) dtype, as Keras hands
+    them to a user's function (`Loss.__call__`): numpy targets support no `y_true - y_pred`
+    against a torch tensor."""
+    dtype = dtype or keras.backend.floatx()
+    convert = lambda v: ops.convert_to_tensor(v, dtype=dtype)  # noqa: E731
+    return keras.tree.map_structure(convert, y_true), keras.tree.map_structure(convert, y_pred)
+
+
 def _returns_scalar(loss, y_true, y_pred) -> bool:
+    y_true, y_pred = _as_keras_hands_them(y_true, y_pred, getattr(loss, "dtype", None))
     if isinstance(loss, keras.losses.Loss):
         inner = keras_internals.wrapped_function(loss)
         kwargs = keras_internals.wrapped_kwargs(loss)
@@ -129,7 +139,8 @@ def _batch_scalar(values) -> bool:
 
 def _ignores_weights(metric, y_true, y_pred) -> bool:
     if not isinstance(metric, keras.metrics.Metric):
-        values = metric(y_true, y_pred)  # A function: Keras averages what it returns.
+        # A function: Keras averages what it returns.
+        values = metric(*_as_keras_hands_them(y_true, y_pred))
         return _batch_scalar(values)
     # The real rows alone, against the real rows and rows weighted 0 after them: rows with
     # shifted labels, then rows with shifted predictions (either may happen to score like
