@@ -31,9 +31,15 @@ class Runtime:
             the global batch (JAX's global view, one device).
         max_steps_per_execution: the most steps one host call may run, or None (any):
             Keras's torch trainer runs one.
+        summed_loss_factor: what a loss with `reduction="sum"` is multiplied by in each
+            replica's program so that the gradients applied are the global batch's sum's
+            (the replicas' gradients are averaged: torch's processes) and its mean over
+            the replicas is the global sum; 1 where they are summed (TensorFlow) or the
+            program sees the global batch (JAX).
     """
 
     all_reduce_sum = None
+    summed_loss_factor = 1
     # The most steps one host call may run (Keras's `steps_per_execution`), or None.
     max_steps_per_execution: int | None = None
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import keras
 
 from keras_accel.adapter.batchnorm import install_batchnorm
+from keras_accel.adapter.loss_weights import install_loss_masks, install_loss_values
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import (
     STEP_KINDS,
     StepContract,
-    install_loss_masks,
     install_loss_trackers,
     install_metric_masks,
     install_own_metrics,
@@ -174,6 +174,7 @@ class Session:
         )
         runtime.install_outer(patches, model)  # What must wrap our step wrappers.
         install_metric_masks(patches, model)
+        install_loss_values(patches, model, runtime.summed_loss_factor)
         install_loss_masks(patches, model, runtime.row_count)
         install_own_metrics(patches, model)
         if keras_internals.loss_tracker(model) is not None:

@@ -41,7 +41,13 @@ STEP_KINDS = ("train", "test", "predict")
 ROW_MASK: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_mask", default=None)
 # In a padded train or test step: a function of the mask giving the weight of this batch's
 # loss in the epoch average (its real row count), or None.
-_ROW_COUNT: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_count", default=None)
+ROW_COUNT: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_count", default=None)
+# In a padded step whose weights are the row mask alone (no user weights), shaped to each
+# output's prediction less its last axis (`_loss_ranks`): what `keras_accel.adapter.
+# loss_weights` shapes a loss's values to.
+LOSS_RANKED: contextvars.ContextVar = contextvars.ContextVar(
+    "keras_accel_loss_ranked", default=False
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +137,8 @@ def install_steps(
 
 
 def _wrap(model, kind, original, contracts, record, row_count):
+    ranks: dict = {}  # `_loss_ranks` by input shapes: torch runs this every step.
+
     def step(*args):
         # JAX steps are `step(state, data)`, TF and torch steps `step(data)`.
         *state, data = args
@@ -138,11 +146,13 @@ def _wrap(model, kind, original, contracts, record, row_count):
         contract = contracts.get(kind) or StepContract(pass_weights=False)
         padded = contract.padded and row_mask is not None
         counted = None
+        ranked = False
         if padded and y is not None and row_count is not None:
             counted = _once_per_trace(lambda: row_count(row_mask))
             # Without the user's weights the batch's weights are the row mask again.
             given = sample_weight if contract.user_weighted else None
-            sample_weight = _weighted(given, row_mask, counted, _loss_ranks(model, x, y))
+            ranked = given is None
+            sample_weight = _weighted(given, row_mask, counted, _loss_ranks(model, x, y, ranks))
         if y is None:
             user = (x,)
         elif contract.pass_weights:
@@ -152,7 +162,8 @@ def _wrap(model, kind, original, contracts, record, row_count):
         if not model.run_eagerly:
             record(kind, user)
         mask_token = ROW_MASK.set(row_mask if padded else None)
-        count_token = _ROW_COUNT.set(counted)
+        count_token = ROW_COUNT.set(counted)
+        ranked_token = LOSS_RANKED.set(ranked)
         try:
             result = original(*state, user)
         except (ValueError, TypeError) as error:
@@ -161,7 +172,8 @@ def _wrap(model, kind, original, contracts, record, row_count):
                 raise ValueError(_padding_message(model, kind, contract, error)) from error
             raise
         finally:
-            _ROW_COUNT.reset(count_token)
+            LOSS_RANKED.reset(ranked_token)
+            ROW_COUNT.reset(count_token)
             ROW_MASK.reset(mask_token)
         if kind == "predict" and row_mask is not None:
             # The row mask comes back beside the outputs, batch by batch, so that the padding
@@ -191,44 +203,65 @@ def _weighted(sample_weight, row_mask, counted, loss_ranks):
     static = ops.cast(ops.shape(mask)[0], "float32")
     scale = ops.divide(static, ops.cast(counted(), "float32"))
     if sample_weight is None:
-        weights = keras.tree.map_structure(lambda rank: _with_rank(mask, rank), loss_ranks)
+        weights = keras.tree.map_structure(lambda rank: with_rank(mask, rank), loss_ranks)
     else:
         weights = keras.tree.map_structure(
-            lambda w: ops.multiply(ops.cast(w, "float32"), _with_rank(mask, len(w.shape))),
+            lambda w: ops.multiply(ops.cast(w, "float32"), with_rank(mask, len(w.shape))),
             sample_weight,
         )
     return keras.tree.map_structure(lambda w: ops.multiply(w, scale), weights)
 
 
-def _with_rank(row_mask, rank: int):
+def with_rank(row_mask, rank: int):
     """The row mask `(rows,)` as `(rows, 1, ..., 1)` of `rank` dimensions (at least 1)."""
     if rank <= 1:
         return row_mask
     return ops.reshape(row_mask, (-1,) + (1,) * (rank - 1))
 
 
-def _loss_ranks(model, x, y):
+def _loss_ranks(model, x, y, cache: dict | None = None):
     """The rank of the values each output's loss has before it is reduced, as Keras's losses
     compute them: one value per row and per position, the last axis of the prediction
     reduced (`(rows, steps)` for a prediction `(rows, steps, classes)`, `(rows,)` for
-    `(rows, classes)`). One int for every output alike, else a structure like `y`.
+    `(rows, classes)`). One int for every output alike, else a structure like the
+    prediction's (by which Keras's compiled loss finds each output's weights; targets given
+    as a dict to a list of outputs are matched by name, the weights by position). A loss
+    that reduces more axes than the last gets its values shaped to these weights
+    (`keras_accel.adapter.loss_weights`).
 
     Read from the model's symbolic outputs, else its output spec for `x` (traced once per
-    step trace, without running it); where neither is known, from the targets' ranks, which
-    is right for sparse targets and one rank too many (squeezed by Keras) for dense ones."""
-    ranks = None
+    input shape, without running it); where neither is known, from the targets' ranks,
+    which is right for sparse targets and one rank too many (squeezed by Keras) for dense
+    ones."""
+    key = tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(x))
+    if cache is not None and key in cache:
+        ranks = cache[key]
+    else:
+        ranks = _output_ranks(model, x)
+        if cache is not None:
+            cache[key] = ranks
+    targets = keras.tree.flatten(y)
+    if ranks is None or len(keras.tree.flatten(ranks)) != len(targets):
+        ranks = keras.tree.map_structure(lambda leaf: max(1, len(leaf.shape)), y)
+    flat = keras.tree.flatten(ranks)
+    if len(set(flat)) == 1:
+        return flat[0]
+    if isinstance(y, dict) and isinstance(ranks, (list, tuple)):
+        return list(ranks)
+    return keras.tree.pack_sequence_as(y, flat)
+
+
+def _output_ranks(model, x):
+    """Each output's prediction rank less one (at least 1), in the prediction's structure;
+    None where the model cannot be traced symbolically."""
     try:
         # Functional and Sequential models have symbolic outputs; a subclassed one has none.
-        outputs = getattr(model, "outputs", None) or model.compute_output_spec(x)
-        ranks = [max(1, len(leaf.shape) - 1) for leaf in keras.tree.flatten(outputs)]
+        outputs = model.output if getattr(model, "outputs", None) else None
+        if outputs is None:
+            outputs = model.compute_output_spec(x)
+        return keras.tree.map_structure(lambda leaf: max(1, len(leaf.shape) - 1), outputs)
     except Exception:  # A subclassed model Keras cannot trace symbolically.
-        ranks = None
-    targets = keras.tree.flatten(y)
-    if ranks is None or len(ranks) != len(targets):
-        ranks = [max(1, len(leaf.shape)) for leaf in targets]
-    if len(set(ranks)) == 1:
-        return ranks[0]
-    return keras.tree.pack_sequence_as(y, ranks)
+        return None
 
 
 def _once_per_trace(fn: Callable) -> Callable:
@@ -278,89 +311,6 @@ def install_metric_masks(patches: Patches, model) -> None:
     after_build(patches, compiled, install)
 
 
-def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
-    """Make a loss over masked time steps (a prediction carrying a Keras mask, from
-    `Embedding(mask_zero=True)` or `Masking`) the mean over the real rows' unmasked steps of
-    the global batch, as one device computes it on the real rows alone.
-
-    Keras divides such a loss by the unmasked steps it sees (`apply_mask`). Two things
-    break that here: a padded batch's real rows carry weights `static / real rows` (right
-    for a mean over rows, wrong for one over steps), and where each replica or process runs
-    its own program each divides by its own steps, so their mean is not the global one. So
-    for the duration of the loss the mask is folded into the weights instead: mask (padding
-    rows out) times `steps in this batch / unmasked steps` counted over every replica
-    (`row_count`, which sums a mask globally and divides by the replica count), the user's
-    weights kept. Keras's own reduction of those weights then gives the global mean. The
-    prediction's mask is put back after the loss: the metrics read it (their weights are
-    the row mask, unscaled, so they are exact with it).
-
-    Done wherever a prediction carries a mask, one device included: there it computes what
-    Keras does, and it spares the user's weights Keras's in-place `sample_weight *= mask`
-    on torch (keras/src/losses/loss.py, `apply_mask`), after which Keras's
-    `weighted_metrics` read weights rescaled by each batch's unmasked fraction."""
-    compiled = keras_internals.compile_loss(model)
-    if compiled is None:
-        return
-    original = compiled.call
-
-    def call(y_true, y_pred, sample_weight=None):
-        leaves = keras.tree.flatten(y_pred)
-        masks = [keras_internals.keras_mask(leaf) for leaf in leaves]
-        row_mask, counted = ROW_MASK.get(), _ROW_COUNT.get()
-        padded = row_mask is not None and counted is not None
-        if all(m is None for m in masks):
-            return original(y_true, y_pred, sample_weight)
-        if padded:  # Back to the user's weights (or the row mask): the mask normalises now.
-            static = ops.cast(ops.shape(row_mask)[0], "float32")
-            scale = ops.divide(static, ops.cast(counted(), "float32"))
-            sample_weight = keras.tree.map_structure(
-                lambda w: ops.divide(w, ops.cast(scale, w.dtype)), sample_weight
-            )
-        nested = sample_weight is not None and keras.tree.is_nested(sample_weight)
-        given = keras.tree.flatten(sample_weight) if nested else [sample_weight] * len(leaves)
-        if len(given) != len(leaves):
-            return original(y_true, y_pred, sample_weight)
-        weights = []
-        for mask, weight in zip(masks, given):
-            if mask is None:
-                weights.append(weight)
-                continue
-            folded = ops.cast(mask, "float32")
-            if row_mask is not None:
-                folded = ops.multiply(
-                    folded, _with_rank(ops.cast(row_mask, "float32"), len(folded.shape))
-                )
-            steps = ops.cast(ops.size(folded), "float32")
-            folded = ops.multiply(folded, ops.divide(steps, ops.cast(row_count(folded), "float32")))
-            if weight is not None:
-                weight, folded = _same_rank(ops.cast(weight, "float32"), folded)
-                folded = ops.multiply(folded, weight)
-            weights.append(folded)
-        for leaf, mask in zip(leaves, masks):
-            if mask is not None:
-                keras_internals.set_keras_mask(leaf, None)
-        try:
-            if len(leaves) == 1 and not nested:
-                return original(y_true, y_pred, weights[0])
-            return original(y_true, y_pred, keras.tree.pack_sequence_as(y_pred, weights))
-        finally:
-            for leaf, mask in zip(leaves, masks):
-                if mask is not None:
-                    keras_internals.set_keras_mask(leaf, mask)
-
-    patches.set(compiled, "call", call)
-
-
-def _same_rank(weight, mask):
-    """A weight and a mask of one value per step, brought to one rank as Keras does
-    (`squeeze_or_expand_to_same_rank`): a `(rows, 1)` weight broadcasts over the steps."""
-    if len(weight.shape) == len(mask.shape) + 1 and weight.shape[-1] == 1:
-        weight = ops.squeeze(weight, axis=-1)
-    elif len(weight.shape) == 1 and len(mask.shape) > 1:
-        weight = _with_rank(weight, len(mask.shape))
-    return weight, mask
-
-
 def after_build(patches: Patches, container, install: Callable) -> None:
     """Run `install` now if `container` (Keras's CompileMetrics or CompileLoss) is built,
     else right after Keras builds it (at the first trace, where Keras defers building)."""
@@ -403,7 +353,7 @@ def _masked_update(metric):
             # Shaped as the metric's values (one per row and position: the prediction's
             # last axis reduced), so that a sequence's values weigh by their row.
             rank = max(1, len(keras.tree.flatten(y_pred)[0].shape) - 1)
-            sample_weight = _with_rank(ops.cast(mask, "float32"), rank)
+            sample_weight = with_rank(ops.cast(mask, "float32"), rank)
         return original(y_true, y_pred, sample_weight=_like_keras_mask(sample_weight, y_pred))
 
     return update_state
@@ -441,10 +391,10 @@ def _is_keras(fn) -> bool:
     return module.startswith(("keras.src.metrics", "keras.src.losses"))
 
 
-def _unscaled(sample_weight):
+def unscaled(sample_weight):
     """Inside a padded step, weights without the factor `static / real rows` that makes a
     loss the mean over real rows (the user's weights again, or the row mask)."""
-    count, mask = _ROW_COUNT.get(), ROW_MASK.get()
+    count, mask = ROW_COUNT.get(), ROW_MASK.get()
     if count is None or mask is None or sample_weight is None:
         return sample_weight
     static = ops.cast(ops.shape(mask)[0], "float32")
@@ -458,7 +408,7 @@ def _unscaled_update(original):
     # In a padded batch the real rows' weights carry static/real rows, so that the loss is
     # the mean over real rows; a weighted metric must see the user's weights.
     def update_state(y_true, y_pred, sample_weight=None):
-        sample_weight = _unscaled(sample_weight)
+        sample_weight = unscaled(sample_weight)
         return original(y_true, y_pred, sample_weight=_like_keras_mask(sample_weight, y_pred))
 
     return update_state
@@ -486,22 +436,50 @@ def install_own_metrics(patches: Patches, model) -> None:
         for leaf in _leaf_metrics([metric]):
             if id(leaf) not in keras_own:
                 keras_own.add(id(leaf))
-                patches.set(leaf, "update_state", _own_update(leaf.update_state))
+                patches.set(leaf, "update_state", _own_update(leaf))
 
 
-def _own_update(original):
+def _own_update(metric):
+    original = metric.update_state
+    fn = keras_internals.wrapped_function(metric)
+    if fn is not None and _is_keras(fn):
+        fn = None  # Keras's metric functions return one value per row.
+
     def update_state(*args, **kwargs):
         if len(args) == 3:  # update_state(y_true, y_pred, sample_weight), positionally.
             *args, kwargs["sample_weight"] = args
         weight = kwargs.get("sample_weight")
-        if weight is not None and ROW_MASK.get() is not None and _ROW_COUNT.get() is not None:
-            if len(args) == 1 and _is_scalar(args[0]) and not _is_scalar(weight):
+        if ROW_MASK.get() is not None and ROW_COUNT.get() is not None:
+            if weight is None:
+                kwargs["sample_weight"] = _own_row_weights(fn, metric, args, kwargs)
+            elif len(args) == 1 and _is_scalar(args[0]) and not _is_scalar(weight):
                 kwargs["sample_weight"] = None
             else:
-                kwargs["sample_weight"] = _unscaled(weight)
+                kwargs["sample_weight"] = unscaled(weight)
         return original(*args, **kwargs)
 
     return update_state
+
+
+def _own_row_weights(fn, metric, args, kwargs):
+    """The weights of a step's own update made without any, in a padded batch: the row mask,
+    so that padding rows count nowhere, as in the compiled metrics (`_masked_update`).
+    Only where the rows are known to be the batch's: `update_state(y_true, y_pred)`, shaped
+    as the metric's values; `update_state(values)` whose first axis is the batch's static
+    row count. One value for the batch (a loss in a `Mean`, a metric function returning
+    one value) is left unweighted, as plain Keras averages it."""
+    mask = ops.cast(ROW_MASK.get(), "float32")
+    if len(args) == 2 and not ({"y_true", "y_pred", "values"} & set(kwargs)):
+        y_true, y_pred = args
+        if _one_value(fn, metric, y_true, y_pred):
+            return None
+        rank = max(1, len(keras.tree.flatten(y_pred)[0].shape) - 1)
+        return _like_keras_mask(with_rank(mask, rank), y_pred)
+    if len(args) == 1 and not _is_scalar(args[0]) and hasattr(args[0], "shape"):
+        rows = args[0].shape[0]
+        if rows is not None and rows == mask.shape[0]:
+            return mask
+    return None
 
 
 def install_global_results(
@@ -583,7 +561,7 @@ def install_loss_trackers(patches: Patches, model) -> None:
 
 def _row_weighted_update(original, per_output: bool = False):
     def update_state(values, sample_weight=None):
-        count = _ROW_COUNT.get()
+        count = ROW_COUNT.get()
         # Keras's built-in steps weight the batch loss by the batch's row count (a scalar);
         # a custom step that averages its losses unweighted keeps doing so. Keras's own
         # per-output trackers (`per_output`) get the row count as the prediction's static
@@ -615,11 +593,11 @@ def _final_weight(original, values, weight):
     `real rows ** 2 / static` (0.390625 for 0.625 per replica, 8 replicas, 5 real rows of
     8), and the per-output losses no longer added up to `loss`. The row count is not
     published while the weight is handed on: such a wrapper leaves it as it is."""
-    token = _ROW_COUNT.set(None)
+    token = ROW_COUNT.set(None)
     try:
         return original(values, sample_weight=weight)
     finally:
-        _ROW_COUNT.reset(token)
+        ROW_COUNT.reset(token)
 
 
 def _is_scalar(value) -> bool:

@@ -781,8 +781,15 @@ def replace_step_and_added_losses(patches, model, step: Callable, added: Callabl
 def compiled_losses(compile_loss) -> list:
     """The loss objects a built `CompileLoss` applies, one per output (`_flat_losses`: each
     `(path, loss, weight, name)`; functions are wrapped as Keras loss objects there)."""
+    return [loss for _, loss in compiled_loss_paths(compile_loss)]
+
+
+def compiled_loss_paths(compile_loss) -> list:
+    """`(path, loss)` for each loss a built `CompileLoss` applies: `path` is the output's
+    path in the prediction's structure, as `keras.tree.flatten_with_path` gives it (`()` for
+    a single output)."""
     flat = require(compile_loss, "_flat_losses", "the compiled losses") or []
-    return [entry[1] for entry in flat]
+    return [(tuple(entry[0]), entry[1]) for entry in flat]
 
 
 def keras_mask(tensor):

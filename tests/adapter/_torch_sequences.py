@@ -4,7 +4,8 @@ weights; fit, evaluate and the custom loop. Usage: python _torch_sequences.py OU
 
 21 rows in global batches of 8: the last batch holds 5 rows (padded; 4 real rows in process
 0, 1 in process 1), and the processes' unmasked steps differ in every batch, so the loss is
-one process's only if the mean over unmasked steps is counted over both processes.
+one process's only if the mean over unmasked steps is counted over both processes. A
+second tagger's loss is a sum (`reduction="sum"`), which must add both processes' sums.
 
 Every process writes what it saw to OUT-<process>.npz.
 """
@@ -53,6 +54,25 @@ for name, kwargs in (("plain", {}), ("weighted", {"sample_weight": weights})):
         out[f"{name}/evaluate/{key}"] = np.asarray(value)
 for i, weight in enumerate(model.get_weights()):
     out[f"w{i}"] = weight
+
+# A summed loss under the mask: the unmasked steps' values added over both processes
+# (each process's gradient of its own sum is averaged, so each counts its sum twice).
+with acc.scope():
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((STEPS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    summed = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    summed.compile(
+        keras.optimizers.SGD(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+    )
+history = acc.fit(summed, tokens, tags, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+out["sum/fit/loss"] = np.asarray(history.history["loss"])
+out["sum/evaluate/loss"] = np.asarray(
+    acc.evaluate(summed, tokens, tags, batch_size=BATCH, verbose=0)
+)
+for i, weight in enumerate(summed.get_weights()):
+    out[f"sum/w{i}"] = weight
 
 # The custom loop: each row's loss the mean over its unmasked steps, per-step weights.
 with acc.scope():

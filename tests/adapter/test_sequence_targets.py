@@ -167,8 +167,9 @@ SEQUENCES_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_sequences.py"
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's processes")
 def test_two_torch_processes_equal_one_on_masked_sequence_targets(tmp_path):
     """A tagger under `mask_zero`, with and without per-step weights, on 21 rows in batches
-    of 8 (tests/adapter/_torch_sequences.py): 2 gloo processes, whose unmasked steps differ
-    in every batch, end where one process ends, and agree bit for bit."""
+    of 8 (tests/adapter/_torch_sequences.py), and a tagger whose loss is a sum: 2 gloo
+    processes, whose unmasked steps differ in every batch, end where one process ends, and
+    agree bit for bit."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="torch")
     env.pop("KERAS_ACCEL_TEST_DEVICES", None)
 
@@ -186,6 +187,7 @@ def test_two_torch_processes_equal_one_on_masked_sequence_targets(tmp_path):
     )
     assert sorted(one) == sorted(first) == sorted(second)
     assert any(key.startswith("weighted/evaluate/") for key in one)
+    assert "sum/fit/loss" in one
     for key in one:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
         np.testing.assert_allclose(first[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)

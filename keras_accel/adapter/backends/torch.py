@@ -228,6 +228,8 @@ class Runtime(runtime.Runtime):
         super().__init__(plan, native)
         self.rank = _rank()
         self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
+        # Each process's gradients are averaged (`_averaged_apply`): a sum's is divided.
+        self.summed_loss_factor = self.num_replicas
 
     def device_scope(self):
         return contextlib.nullcontext()  # Keras places tensors on this process's device.
