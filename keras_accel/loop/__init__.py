@@ -78,9 +78,17 @@ def per_example_losses(loss, y_true, y_pred, weights=None):
     `(batch, steps)` weight); where the prediction carries a Keras mask
     (`Embedding(mask_zero=True)`), the mean over the row's unmasked steps.
 
+    Weights weigh the loss's values as Keras weighs them: the values' shape or its first
+    axes (`(rows,)` up to the values' shape; an axis of 1 broadcasts, one trailing axis of
+    1 is squeezed). A loss with one value per row takes `(rows,)` or `(rows, 1)`; per-step
+    weights `(rows, steps)` need a loss with one value per step.
+
     Raises:
         ValueError: the loss is a scalar (already reduced over the batch: padding and
-            weights could not be accounted for), or its first axis is not the batch's.
+            weights could not be accounted for), or its first axis is not the batch's, or
+            the weights do not fit its values (per-step weights for a loss with one value
+            per row broadcast into `(rows, rows)` before, or failed deep in the step); the
+            message names both shapes.
     """
     from keras import ops
 
@@ -109,6 +117,7 @@ def per_example_losses(loss, y_true, y_pred, weights=None):
             f"batch's, {rows} rows. Received: shape {tuple(values.shape)} from {_name(loss)}."
         )
     if weights is not None:
+        _check_loss_weights(_shape(values), _shape(weights), loss)
         weights = ops.cast(weights, "float32")
     if len(values.shape) == 1:
         return values if weights is None else values * _row_weights(weights, values)
@@ -123,6 +132,67 @@ def per_example_losses(loss, y_true, y_pred, weights=None):
         weights = None
     per = ops.sum(values * counted, axis=axes) / steps
     return per if weights is None else per * weights
+
+
+def _shape(tensor) -> tuple:
+    """The static shape, an unknown (traced) size as None."""
+    return tuple(None if d is None else int(d) for d in np.shape(tensor))
+
+
+def _fits(weights_shape: tuple, shape: tuple) -> bool:
+    """Whether weights of `weights_shape` weigh values of `shape` as Keras weighs them: at
+    most one axis more than the values, a trailing 1 (squeezed); each axis the values' or 1
+    (broadcast), the values' axes beyond the weights' rank taking each weight whole. Unknown
+    (traced) sizes fit."""
+    if len(weights_shape) > len(shape):
+        if len(weights_shape) > len(shape) + 1 or weights_shape[-1] != 1:
+            return False
+        weights_shape = weights_shape[:-1]
+    return all(w in (None, 1) or v is None or w == v for w, v in zip(weights_shape, shape))
+
+
+def _check_loss_weights(values_shape: tuple, weights_shape: tuple, loss) -> None:
+    """Raise where the weights cannot weigh the loss's values: per-step weights `(rows,
+    steps)` for a loss with one value per row would broadcast into `(rows, rows)` or fail
+    deep in the step."""
+    if _fits(weights_shape, values_shape):
+        return
+    rows = values_shape[0]
+    if len(values_shape) == 1:
+        what = (
+            f"The loss returns one value per row, shape {values_shape}, from {_name(loss)}, and "
+            f"the weights have shape {weights_shape}. A loss with one value per row takes "
+            f"weights of shape ({rows},) or ({rows}, 1). Weights per step, (rows, steps), need "
+            "a loss with one value per step: a Keras loss (the loop uses it unreduced, as "
+            'reduction="none" gives) on a (rows, steps, classes) prediction, e.g. '
+            "SparseCategoricalCrossentropy on (rows, steps) targets, or a function that "
+            "returns (rows, steps)."
+        )
+    else:
+        what = (
+            f"The loss returns values of shape {values_shape} from {_name(loss)}, and the "
+            f"weights have shape {weights_shape}. Weights must have the loss values' shape or "
+            f"its first axes, (rows,) up to {values_shape} (an axis of 1 broadcasts, one "
+            "trailing axis of 1 is squeezed)."
+        )
+    raise ValueError(f"{what} Pass sample_weight of a shape that fits the loss.")
+
+
+def _check_metric_weights(weights_shape: tuple, y_pred) -> None:
+    """Raise where the weighted metrics' weights cannot weigh any metric of this
+    prediction: a metric has at most one value per prediction element (most reduce its last
+    axis: one per row and step of a `(rows, steps, classes)` prediction)."""
+    shape = _shape(keras.tree.flatten(y_pred)[0])
+    if _fits(weights_shape, shape):
+        return
+    raise ValueError(
+        f"The weighted metrics' weights have shape {weights_shape} and the prediction has "
+        f"shape {shape}: a metric has at most one value per prediction element, and most "
+        f"(accuracy, the losses as metrics) one per row, or per row and step, the "
+        "prediction's last axis reduced. Weights per step, (rows, steps), need a prediction "
+        "per step, (rows, steps, classes); a prediction with one value per row takes weights "
+        "of shape (rows,) or (rows, 1)."
+    )
 
 
 def _to_rank(weights, rank: int):
@@ -168,7 +238,12 @@ def metric_updates(loop, y_true, y_pred, per_example, weights, mask):
     order: what every backend's step updates them with. The loss tracker averages the
     weighted per-example losses (`per_example_losses(..., weights)`) over the real rows;
     metrics count the real rows; weighted metrics weigh them by the sample weights too.
-    Padding rows count nowhere."""
+    Padding rows count nowhere.
+
+    Raises:
+        ValueError: there are weighted metrics and the weights do not fit the prediction
+            (per-step weights `(rows, steps)` for a prediction per row, `(rows, classes)`).
+    """
     from keras import ops
 
     yield loop.loss_tracker, (per_example,), mask
@@ -176,6 +251,7 @@ def metric_updates(loop, y_true, y_pred, per_example, weights, mask):
     for metric in loop.metrics:
         yield metric, (y_true, y_pred), row_mask
     if loop.weighted_metrics:
+        _check_metric_weights(_shape(weights), y_pred)
         weighted = ops.cast(weights, "float32")
         if len(weighted.shape) > 1:
             weighted = weighted * _to_rank(ops.cast(mask, "float32"), len(weighted.shape))

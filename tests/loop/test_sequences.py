@@ -2,7 +2,8 @@
 and a Keras mask (`Embedding(mask_zero=True)`) reach the loss and the metrics, the padded
 last batch counts nowhere, and every replica count gives one device's numbers. Before, a
 per-step weight `(rows, steps)` met the per-example loss `(rows,)` and every backend
-crashed."""
+crashed. Weights that do not fit the loss (per-step weights for a loss with one value per
+row) or the prediction (for the weighted metrics) are an error naming both shapes."""
 
 import keras
 import numpy as np
@@ -82,3 +83,98 @@ def test_every_replica_count_gives_one_devices_numbers():
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
     assert_weights_close(many.model.get_weights(), one.model.get_weights())
+
+
+def _per_row_loop(acc):
+    """One prediction per row, `(rows, classes)`: its loss has one value per row."""
+    with acc.scope():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((STEPS,), dtype="int32")
+        hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCAB, 8)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+        return acc.loop(
+            model,
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("weighted_accuracy")],
+        )
+
+
+PER_ROW_LOSS_WITH_STEP_WEIGHTS = (
+    r"one value per row, shape \((\d+),\).*the weights have shape \(\1, 6\)\. "
+    r"A loss with one value per row takes weights of shape \(\1,\) or \(\1, 1\)\. "
+    r"Weights per step, \(rows, steps\), need a loss with one value per step.*"
+    r'reduction="none".*\(rows, steps, classes\)'
+)
+
+
+# One device with a batch of STEPS rows: there (rows,) * (rows, steps) broadcast silently
+# into (rows, rows) before, where other shapes failed deep in the step.
+@pytest.mark.parametrize("devices, batch", [(NUM_DEVICES, BATCH), (1, STEPS)], ids=["all", "one"])
+@pytest.mark.parametrize("kind", ["train", "test"])
+def test_per_step_weights_for_a_loss_per_row_are_a_clear_error(devices, batch, kind):
+    tokens, _, weights = _data()
+    labels = np.random.default_rng(1).integers(0, CLASSES, ROWS)
+    loop = _per_row_loop(Accelerator(devices=devices, seed=0))
+    batches = loop.batches(tokens, labels, batch, sample_weight=weights, training=kind == "train")
+    step = loop.train_step if kind == "train" else loop.test_step
+    with pytest.raises(ValueError, match=PER_ROW_LOSS_WITH_STEP_WEIGHTS):
+        step(next(iter(batches)))
+
+
+def test_a_loss_per_row_takes_weights_of_shape_rows_or_rows_by_one():
+    tokens, _, weights = _data()
+    labels = np.random.default_rng(1).integers(0, CLASSES, ROWS)
+    loop = _per_row_loop(Accelerator(seed=0))
+    flat = loop.evaluate(tokens, labels, BATCH, sample_weight=weights[:, 0])
+    column = loop.evaluate(tokens, labels, BATCH, sample_weight=weights[:, :1])
+    for name in flat:
+        np.testing.assert_allclose(column[name], flat[name], rtol=1e-6, err_msg=name)
+
+
+def test_per_example_losses_names_weights_that_do_not_fit_the_loss_values():
+    from keras_accel.loop import per_example_losses
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rows = 4
+    per_row = keras.ops.zeros((rows, CLASSES))
+    labels = keras.ops.zeros((rows,), dtype="int32")
+    # (rows, 1, 1) broadcast into (rows, 1, rows) before.
+    with pytest.raises(ValueError, match=r"shape \(4,\).*weights have shape \(4, 1, 1\)"):
+        per_example_losses(loss, labels, per_row, keras.ops.ones((rows, 1, 1)))
+    per_step = keras.ops.zeros((rows, STEPS, CLASSES))
+    step_labels = keras.ops.zeros((rows, STEPS), dtype="int32")
+    with pytest.raises(
+        ValueError, match=r"values of shape \(4, 6\).*weights have shape \(4, 7\).*\(rows,\) up to"
+    ):
+        per_example_losses(loss, step_labels, per_step, keras.ops.ones((rows, STEPS + 1)))
+    for fits in [(rows,), (rows, 1), (rows, STEPS), (rows, STEPS, 1)]:
+        got = per_example_losses(loss, step_labels, per_step, keras.ops.ones(fits))
+        assert tuple(got.shape) == (rows,)
+
+
+def test_metric_updates_names_per_step_weights_for_a_prediction_per_row():
+    from types import SimpleNamespace
+
+    from keras_accel.loop import metric_updates
+
+    rows = 4
+    loop = SimpleNamespace(
+        loss_tracker=keras.metrics.Mean(name="loss"),
+        metrics=[],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy("weighted_accuracy")],
+    )
+    mask = keras.ops.ones((rows,))
+    per = keras.ops.zeros((rows,))
+    step_weights = keras.ops.ones((rows, STEPS))
+    per_row, labels = keras.ops.zeros((rows, CLASSES)), keras.ops.zeros((rows,), dtype="int32")
+    with pytest.raises(
+        ValueError,
+        match=r"weights have shape \(4, 6\) and the prediction has shape \(4, 4\).*"
+        r"need a prediction per step, \(rows, steps, classes\)",
+    ):
+        list(metric_updates(loop, labels, per_row, per, step_weights, mask))
+    per_step = keras.ops.zeros((rows, STEPS, CLASSES))
+    step_labels = keras.ops.zeros((rows, STEPS), dtype="int32")
+    updates = list(metric_updates(loop, step_labels, per_step, per, step_weights, mask))
+    assert [metric for metric, _, _ in updates] == [loop.loss_tracker, *loop.weighted_metrics]
