@@ -245,8 +245,11 @@ class Launch:
         self.filter = OutputFilter(dict(self.defaults, **os.environ))
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
-        # When each process's error came (monotonic s): the start of its last traceback, else
-        # its end. What a launch names as its cause is the first of them.
+        self._reapers: list[threading.Thread] = []
+        # When each process's error came (monotonic s): the start of the traceback that ends
+        # it, else its end (`_error_at`). What a launch names as its cause is the first of them.
+        # `_traceback_at` holds a process's last traceback only while it may still be the one
+        # its end follows (`_pump` drops it once the process goes on).
         self._traceback_at: dict[int, float] = {}
         self._ended_at: dict[int, float] = {}
         self._write = threading.Lock()
@@ -272,13 +275,21 @@ class Launch:
             pump = threading.Thread(target=self._pump, args=(index, process), daemon=True)
             pump.start()
             self._pumps.append(pump)
-            threading.Thread(target=self._reap, args=(index, process), daemon=True).start()
+            reaper = threading.Thread(target=self._reap, args=(index, process), daemon=True)
+            reaper.start()
+            self._reapers.append(reaper)
 
     def _pump(self, index: int, process: subprocess.Popen) -> None:
         for raw in iter(process.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            now = time.monotonic()
             if "Traceback (most recent call last):" in line:
-                self._traceback_at[index] = time.monotonic()
+                self._traceback_at[index] = now
+            elif now - self._traceback_at.get(index, now) > TRACEBACK_SETTLE_S:
+                # Output that goes on after the traceback printed: the process went on (a
+                # logged, caught exception; a warning's stack), so that traceback is not the
+                # error it will end with. Filtered lines count too.
+                self._traceback_at.pop(index, None)
             if not self.filter.keep(line):
                 continue
             with self._write:
@@ -304,31 +315,78 @@ class Launch:
             self.signal_all(signal.SIGTERM)
             self._deadline = time.monotonic() + self.grace
 
+    def _error_at(self, index: int, now: float) -> float | None:
+        """When process `index`'s error came: the start of the traceback its end follows, else
+        its end; None for a process still running without such a traceback.
+
+        Only a traceback that belongs to the end counts. A process may print one and go on
+        (a caught exception it logs at start-up, a warning with its stack), and when a peer's
+        failure later ends it without a traceback of its own (gloo's C++ abort on a closed
+        connection), that old traceback would make it look like the first to fail. A
+        traceback is the process's own end only if (1) nothing the process printed came more
+        than `TRACEBACK_SETTLE_S` after it began (a fatal traceback is printed at once and is
+        followed at most by the exit's own lines; `_pump` drops it otherwise), and (2) the
+        process ended, or is still running, at most `TRACEBACK_END_S` after it began (a silent
+        process that ran on for longer went on from it). A fatal traceback dropped by these
+        rules (a script that logs its error, then cleans up for long) leaves the process
+        ordered by its end, which still comes before the errors of the peers its end breaks.
+        A traceback read after the end (its pump was slow to read) came before it: the end
+        bounds it."""
+        ended = self._ended_at.get(index)
+        traceback = self._traceback_at.get(index)
+        if traceback is None or (now if ended is None else ended) - traceback > TRACEBACK_END_S:
+            return ended
+        return traceback if ended is None else min(traceback, ended)
+
     def _cause(self, codes: list) -> list:
         """The exit codes once a process failed, after a short look at the others: a peer
         that lost the failed one through a collective (gloo's closed connection) fails too,
-        and may end first, or in the same poll."""
+        and may end first, or in the same poll. A process still running whose traceback
+        (one its end may follow, `_error_at`) came before every failure seen is waited for
+        longer: its error came first, and it may only be slow to exit; the wait ends when it
+        ends, goes on printing, or `TRACEBACK_END_S` after that traceback, so that the process
+        named is always one that ended, with its own exit code."""
         deadline = time.monotonic() + CAUSE_WINDOW_S
-        while time.monotonic() < deadline and not any(c == -signal.SIGKILL for c in codes):
-            if all(c is not None for c in codes):
+        while not any(c == -signal.SIGKILL for c in codes) and any(c is None for c in codes):
+            now = time.monotonic()
+            if now >= deadline and not self._failing_first(codes, now):
                 break
             time.sleep(0.02)
             codes = [process.poll() for process in self.processes]
+        # Every ended process's last lines read (a traceback printed just before its end may
+        # still be in the pipe) and its end noted, before they are compared. A pump can wait
+        # longer than its process only for a grandchild that kept the pipe open: bounded.
+        until = time.monotonic() + CAUSE_WINDOW_S
+        for index, code in enumerate(codes):
+            if code is not None:
+                self._pumps[index].join(timeout=max(0.0, until - time.monotonic()))
+                self._reapers[index].join(timeout=1.0)
         return codes
+
+    def _failing_first(self, codes: list, now: float) -> list[int]:
+        """Processes still running whose traceback, one their end may follow, came before
+        every failed process's error."""
+        errors = [self._error_at(i, now) for i, c in enumerate(codes) if c not in (None, 0)]
+        first = min((now if e is None else e for e in errors), default=now)
+        running = {i: self._error_at(i, now) for i, c in enumerate(codes) if c is None}
+        return [i for i, error in running.items() if error is not None and error < first]
 
     def _first_failure(self, codes: list) -> tuple[int, int]:
         """The failed process to name: one killed by SIGKILL (it printed nothing, and its
         peers' errors may come before its end is seen), else the one whose error came
-        first: the start of the traceback it printed last, else its end. A peer fails
-        only after the failed process closed its connections, which it does after printing
-        its traceback, so its own error comes later, whatever the indices."""
+        first (`_error_at`): the start of the traceback it ended with, else its end. A peer
+        fails only after the failed process closed its connections, which it does after
+        printing its traceback, so its own error comes later, whatever the indices. Only
+        processes that ended are candidates (`_cause` waits for one whose error came first)."""
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        for index, _ in failed:  # Its end is noted a moment after its exit code is known.
+            self._reapers[index].join(timeout=1.0)
         now = time.monotonic()
 
         def order(item):
             index, code = item
-            ended = self._ended_at.get(index, now)  # Its reaper may not have noted it yet.
-            return (code != -signal.SIGKILL, self._traceback_at.get(index, ended), index)
+            error = self._error_at(index, now)
+            return (code != -signal.SIGKILL, now if error is None else error, index)
 
         return min(failed, key=order)
 
@@ -380,6 +438,11 @@ class Launch:
 
 # How long a failure waits for the others' ends before it names the first (a SIGKILL at once).
 CAUSE_WINDOW_S = 1.0
+# A traceback is the error a process ends with only while nothing it prints comes more than
+# TRACEBACK_SETTLE_S after the traceback began, and only if the process ends within
+# TRACEBACK_END_S of it (`Launch._error_at`).
+TRACEBACK_SETTLE_S = 2.0
+TRACEBACK_END_S = 10.0
 
 
 def devices_per_process_note(devices_per_process: int | None, num_processes: int) -> str | None:
