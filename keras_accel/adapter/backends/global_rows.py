@@ -4,12 +4,19 @@ state that the processes' states do not add up to, and which layers draw per row
 
 The backends act on these: `keras_accel.adapter.backends.torch_rows` (processes) and
 `keras_accel.adapter.backends.tensorflow.rows` and `.reduction` (replicas). JAX's arrays are
-global: one program sees the whole batch, and needs none of this.
+global: one program sees the whole batch, and needs none of this. What they install, they
+install alike (`install_row_draws`, `UserMetricPatches`); each supplies only what differs:
+its draw over the global batch keeping its own rows, its gather of a metric's update.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
+
+from keras_accel.adapter.steps import after_build
+from keras_accel.utils import keras_internals
 
 # Layers whose randomness is drawn per row, from the shape of their input's batch: they draw
 # the global batch's numbers in every process and replica. A layer of the user's that draws
@@ -32,6 +39,18 @@ def draws(layer) -> bool:
     )
 
 
+def install_row_draws(patches, model, global_call: Callable) -> int:
+    """Installs `global_call(layer.call)` as the `call` of every layer of `model` that
+    `draws`; returns how many. `global_call` is the backend's: the original call on a
+    global-batch-shaped input, this process's or replica's rows of its output kept."""
+    count = 0
+    for layer in keras_internals.flatten_layers(model):
+        if draws(layer):
+            patches.set(layer, "call", global_call(layer.call))
+            count += 1
+    return count
+
+
 def is_keras_metric(metric) -> bool:
     """Whether `metric` is an instance of one of Keras's own classes, whose state (sums and
     counts, Keras's default aggregation) the processes' states add up to; a subclass of the
@@ -50,3 +69,28 @@ def user_metrics(metrics):
             yield from user_metrics(inner)
         elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
             yield metric
+
+
+class UserMetricPatches:
+    """Patches each of users' metrics (`user_metrics`) once, however often `install` meets
+    it: a backend's subclass says how (`patch`: its update on the global batch's rows)."""
+
+    def __init__(self):
+        self._done: set[int] = set()
+
+    def install(self, patches, metrics) -> None:
+        for metric in user_metrics(metrics):
+            if id(metric) in self._done:
+                continue
+            self._done.add(id(metric))
+            self.patch(patches, metric)
+
+    def install_on_model(self, patches, model) -> None:
+        """On `model`'s metrics, and on the compiled ones once Keras builds them."""
+        self.install(patches, model.metrics)
+        compiled = keras_internals.compile_metrics(model)
+        if compiled is not None:
+            after_build(patches, compiled, lambda: self.install(patches, compiled.metrics))
+
+    def patch(self, patches, metric) -> None:
+        raise NotImplementedError

@@ -39,7 +39,7 @@ import numpy as np
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends import torch_rows
 from keras_accel.adapter.patches import Patches
-from keras_accel.adapter.steps import after_build, install_global_results, overrides_any_step
+from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
@@ -259,10 +259,7 @@ class Runtime(runtime.Runtime):
         # Keras's own keep theirs and are summed over the processes when read. Installed
         # before the padding masks, which then wrap the gather (its weights are the mask).
         gathered = torch_rows.GatheredMetrics(when=_in_step)
-        gathered.install(patches, model.metrics)
-        compiled = keras_internals.compile_metrics(model)
-        if compiled is not None:
-            after_build(patches, compiled, lambda: gathered.install(patches, compiled.metrics))
+        gathered.install_on_model(patches, model)
         result = functools.partial(global_result, local=gathered.local)
         install_global_results(patches, model, result, when=_in_step)
 

@@ -29,8 +29,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_accel.adapter.backends.global_rows import draws, user_metrics
-from keras_accel.utils import keras_internals
+from keras_accel.adapter.backends.global_rows import UserMetricPatches, install_row_draws
 
 
 def _dist():
@@ -39,7 +38,7 @@ def _dist():
     return dist
 
 
-class GatheredMetrics:
+class GatheredMetrics(UserMetricPatches):
     """Users' metrics updated on the global batch in every process, for one call.
 
     `local` holds the ids of their variables: global already, so read as they are (the
@@ -49,18 +48,14 @@ class GatheredMetrics:
     """
 
     def __init__(self, when: Callable[[], bool] = lambda: True):
+        super().__init__()
         self.when = when
         self.local: set[int] = set()
-        self._done: set[int] = set()
         self._gather = RowGather()
 
-    def install(self, patches, metrics) -> None:
-        for metric in user_metrics(metrics):
-            if id(metric) in self._done:
-                continue
-            self._done.add(id(metric))
-            self.local.update(id(v) for v in metric.variables)
-            patches.set(metric, "update_state", self._gathered(metric, metric.update_state))
+    def patch(self, patches, metric) -> None:
+        self.local.update(id(v) for v in metric.variables)
+        patches.set(metric, "update_state", self._gathered(metric, metric.update_state))
 
     def _gathered(self, metric, original):
         def update_state(*args, **kwargs):
@@ -151,12 +146,7 @@ class GlobalRowDraws:
 
     def install(self, patches, model) -> int:
         """Installs on every layer of `model` that `global_rows.draws`; returns how many."""
-        count = 0
-        for layer in keras_internals.flatten_layers(model):
-            if draws(layer):
-                patches.set(layer, "call", self._global(layer.call))
-                count += 1
-        return count
+        return install_row_draws(patches, model, self._global)
 
     def _global(self, original):
         world, rank = self.world, self.rank

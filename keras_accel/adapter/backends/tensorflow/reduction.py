@@ -6,8 +6,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_accel.adapter.backends.global_rows import user_metrics
-from keras_accel.adapter.steps import ROW_MASK, after_build
+from keras_accel.adapter.backends.global_rows import UserMetricPatches
+from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.utils import keras_internals
 
 
@@ -59,7 +59,7 @@ def _per_replica(variable) -> bool:
     return isinstance(variable.value, tf.distribute.DistributedValues)
 
 
-class GatheredMetrics:
+class GatheredMetrics(UserMetricPatches):
     """Users' metrics updated on the global batch, for one call (or one trace): `install`
     before the padding masks (which then wrap the gather: its weights are the row mask)
     and after `install_global_results` (whose result wrapper this one wraps).
@@ -76,25 +76,14 @@ class GatheredMetrics:
     all-reduce of the metric's state.
     """
 
-    def __init__(self):
-        self._done: set[int] = set()
-
-    def install(self, patches, metrics) -> None:
-        for metric in user_metrics(metrics):
-            if id(metric) in self._done:
-                continue
-            self._done.add(id(metric))
-            patches.set(metric, "update_state", _gathered_update(metric, metric.update_state))
-            patches.set(metric, "result", _global_read(metric, metric.result))
+    def patch(self, patches, metric) -> None:
+        patches.set(metric, "update_state", _gathered_update(metric, metric.update_state))
+        patches.set(metric, "result", _global_read(metric, metric.result))
 
 
 def install_gathered_metrics(patches, model) -> None:
     """`GatheredMetrics` on `model`'s metrics (the compiled ones once Keras builds them)."""
-    gathered = GatheredMetrics()
-    gathered.install(patches, model.metrics)
-    compiled = keras_internals.compile_metrics(model)
-    if compiled is not None:
-        after_build(patches, compiled, lambda: gathered.install(patches, compiled.metrics))
+    GatheredMetrics().install_on_model(patches, model)
 
 
 def _replicated():

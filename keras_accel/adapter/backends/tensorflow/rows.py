@@ -14,18 +14,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_accel.adapter.backends.global_rows import draws
-from keras_accel.utils import keras_internals
+from keras_accel.adapter.backends.global_rows import install_row_draws
 
 
 def install_global_row_draws(patches, model) -> int:
     """Installs on every layer of `model` that `global_rows.draws`; returns how many."""
-    count = 0
-    for layer in keras_internals.flatten_layers(model):
-        if draws(layer):
-            patches.set(layer, "call", _global(layer.call))
-            count += 1
-    return count
+    return install_row_draws(patches, model, _global)
 
 
 def _global(original):
