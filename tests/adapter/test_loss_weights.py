@@ -188,8 +188,6 @@ class OwnMetricStep(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if keras.backend.backend() == "jax":
-            raise NotImplementedError  # JAX's stateless step is below.
         if keras.backend.backend() == "torch":
             self.zero_grad()
             loss = self.compute_loss(
