@@ -82,8 +82,11 @@ def _assert_the_raiser_is_named(result, raiser):
 def test_the_process_that_raised_is_named_not_the_peer_it_broke_torch(tmp_path, raiser):
     result = _launch(tmp_path, RAISE_IN, "-n", "2", KERAS_BACKEND="torch", RAISER=str(raiser))
     _assert_the_raiser_is_named(result, raiser)
-    # The peer's error did come: gloo's (a closed connection, or a reset one) blames the raiser.
-    assert "Check the logs of the remote worker" in result.stdout
+    # The peer failed too: gloo's error (a closed connection, or a reset one) blames the raiser,
+    # or, on a loaded machine, the launcher stopped the peer before gloo noticed (exit -15).
+    peer_broke = "Check the logs of the remote worker" in result.stdout
+    peer_stopped = "exit codes [-15, 1]" in result.stderr or "exit codes [1, -15]" in result.stderr
+    assert peer_broke or peer_stopped, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's distributed runtime and CPU collectives")
