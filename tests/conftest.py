@@ -56,8 +56,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-# Set by pytest itself, or by TensorFlow when first imported (a tf.data test on the JAX run).
+# Set by pytest itself, by TensorFlow when first imported (a tf.data test on the JAX run), or
+# by torch's compiler the first time it compiles (a compiled torch step).
 IMPORT_TIME_VARIABLES = {
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
     "PYTEST_CURRENT_TEST",
     "TF2_BEHAVIOR",
     "TPU_ML_PLATFORM",

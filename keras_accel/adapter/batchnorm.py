@@ -43,7 +43,8 @@ from keras_accel.utils import keras_internals
 
 def _weighted_moments(layer, inputs, mask, all_reduce_sum: Callable | None):
     row_mask = ROW_MASK.get()
-    axes = keras_internals.batchnorm_reduction_axes(layer)
+    # A tuple: Keras keeps a tracked list, which torch.compile cannot pass to torch.sum.
+    axes = tuple(keras_internals.batchnorm_reduction_axes(layer))
     if row_mask is None:
         weights = ops.ones_like(inputs[..., :1])
     else:

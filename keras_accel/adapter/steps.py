@@ -37,17 +37,58 @@ from keras_accel.utils import keras_internals
 
 STEP_KINDS = ("train", "test", "predict")
 
+class StepValue:
+    """A value of the step being traced, as a `contextvars.ContextVar` holds it (`get`,
+    `set`, `reset`), that torch's compiler can read too.
+
+    torch.compile cannot trace `ContextVar.get`; a compiled torch step
+    (`keras_accel.adapter.backends.torch_compiled`) puts its step's values in `TRACED` for
+    the duration of its trace instead (a plain dict, which it can), and every `get` reads
+    them there while it is not empty."""
+
+    def __init__(self, name: str, default=None):
+        self.name = name
+        self.default = default
+        self._var: contextvars.ContextVar = contextvars.ContextVar(
+            f"keras_accel_{name}", default=default
+        )
+
+    def get(self):
+        if TRACED.active:
+            return getattr(TRACED, self.name, self.default)
+        return self._var.get()
+
+    def set(self, value):
+        if TRACED.active:  # A token of our own: the value it replaced.
+            token = (self.name, getattr(TRACED, self.name, self.default))
+            setattr(TRACED, self.name, value)
+            return token
+        return self._var.set(value)
+
+    def reset(self, token) -> None:
+        if isinstance(token, tuple):
+            setattr(TRACED, token[0], token[1])
+            return
+        self._var.reset(token)
+
+
+class _Traced:
+    """The values of the step a torch compilation is tracing, by `StepValue.name`."""
+
+    active = False
+
+
+TRACED = _Traced()
+
 # The row mask of the batch being traced (1 real, 0 padding), or None where nothing pads.
-ROW_MASK: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_mask", default=None)
+ROW_MASK = StepValue("row_mask")
 # In a padded train or test step: a function of the mask giving the weight of this batch's
 # loss in the epoch average (its real row count), or None.
-ROW_COUNT: contextvars.ContextVar = contextvars.ContextVar("keras_accel_row_count", default=None)
+ROW_COUNT = StepValue("row_count")
 # In a padded step whose weights are the row mask alone (no user weights), shaped to each
 # output's prediction less its last axis (`_loss_ranks`): what `keras_accel.adapter.
 # loss_weights` shapes a loss's values to.
-LOSS_RANKED: contextvars.ContextVar = contextvars.ContextVar(
-    "keras_accel_loss_ranked", default=False
-)
+LOSS_RANKED = StepValue("loss_ranked", default=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -249,6 +249,8 @@ MODEL_ATTRIBUTES = {
     "_loss_tracker": "the loss tracker",
     "_initial_epoch": "where a restored fit starts",
     "_inbound_nodes": "a layer's calls",
+    "_call_has_training_arg": "whether a layer's call takes `training`",
+    "_compute_loss": "the loss Keras's step computes (a compiled torch step calls it)",
 }
 OPTIMIZER_ATTRIBUTES = {
     "_learning_rate": "the optimizer's learning rate as it holds it",
@@ -572,6 +574,17 @@ def loss_tracker(model):
     """The `Mean` the model averages its loss in (`model._loss_tracker`): None until it is
     compiled."""
     return require(model, "_loss_tracker", MODEL_ATTRIBUTES["_loss_tracker"])
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether the model's `call` takes `training` (Keras's steps pass it only then)."""
+    return require(model, "_call_has_training_arg", MODEL_ATTRIBUTES["_call_has_training_arg"])
+
+
+def compute_loss_of(model) -> Callable:
+    """The model's `_compute_loss`: `compute_loss`, or the user's override of it, as
+    Keras's steps call it."""
+    return require(model, "_compute_loss", MODEL_ATTRIBUTES["_compute_loss"])
 
 
 def initial_epoch(model) -> int | None:

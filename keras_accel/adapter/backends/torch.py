@@ -32,12 +32,13 @@ import datetime
 import functools
 import os
 import warnings
+import weakref
 
 import keras
 import numpy as np
 
 from keras_accel.adapter import runtime
-from keras_accel.adapter.backends import torch_rows
+from keras_accel.adapter.backends import torch_compiled, torch_rows
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
@@ -246,6 +247,8 @@ class Runtime(runtime.Runtime):
                 patches, model, first_batch, overrides_a_step=overrides_any_step(model)
             )
         if self.num_replicas == 1:
+            # One process: Keras's steps compiled, one program each (torch_compiled).
+            torch_compiled.install(patches, model)
             return
         if training:
             optimizer = getattr(model, "optimizer", None)
@@ -278,6 +281,19 @@ class Runtime(runtime.Runtime):
 
     def callbacks(self) -> list:
         return [SameStart()] if self.num_replicas > 1 else []
+
+    def make_function(self, model, kind: str):
+        """Keras's one step per call, never under Keras's own `torch.compile`
+        (`jit_compile=True`): the compiled steps compile themselves (torch_compiled), and
+        Keras's would trace our eager wrappers around them."""
+        if not getattr(model, "jit_compile", False) or kind not in torch_compiled.KINDS:
+            return None
+        model_ref = weakref.ref(model)
+
+        def one_step_on_data(data):
+            return getattr(model_ref(), f"{kind}_step")(data[0])
+
+        return one_step_on_data
 
     def row_count(self, row_mask):
         import torch

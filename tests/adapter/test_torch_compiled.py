@@ -1,0 +1,178 @@
+"""torch: Keras's train and test steps compiled as one program each
+(`keras_accel.adapter.backends.torch_compiled`), with plain eager Keras's numbers.
+
+Each case trains on uneven data (a padded last batch) and compares against plain
+`model.fit`/`evaluate` on one device, eagerly, `shuffle=False` both. A compilation costs
+seconds here: few models, each compiled once."""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from tests.helpers import assert_weights_close
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's compiled steps"),
+]
+
+ROWS, BATCH = 37, 8
+
+
+@pytest.fixture
+def compiled():
+    from keras_accel.adapter.backends import torch_compiled
+
+    return torch_compiled
+
+
+class RunningMax(keras.metrics.Metric):
+    """A user's metric whose state is not a sum."""
+
+    def __init__(self, name="running_max", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_variable((), initializer="zeros", name="value")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        # The largest batch mean so far (`ops.max` on torch reads `result.values`, which
+        # torch.compile cannot trace: such a step runs eagerly).
+        self.value.assign(keras.ops.maximum(self.value, keras.ops.mean(y_pred[:, 0])))
+
+    def result(self):
+        return self.value
+
+
+class Unused(keras.layers.Layer):
+    """A trainable weight the loss never reaches: Keras's eager step gives it no gradient,
+    and Adam must not move it."""
+
+    def build(self, input_shape):
+        self.unused = self.add_weight((3,), initializer="ones", name="unused")
+
+    def call(self, x):
+        return x
+
+
+def _model(sequence=False):
+    keras.utils.set_random_seed(3)
+    if sequence:
+        inputs = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(12, 8, mask_zero=True)(inputs)
+        outputs = keras.layers.Dense(4, activation="softmax")(h)
+    else:
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        h = Unused()(h)
+        outputs = keras.layers.Dense(3, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+def _compile(model, sequence=False, jit_compile=False):
+    if sequence:
+        model.compile("adam", "sparse_categorical_crossentropy", jit_compile=jit_compile)
+    else:
+        model.compile(
+            "adam",
+            "categorical_crossentropy",
+            metrics=["accuracy", RunningMax()],
+            weighted_metrics=["mae"],
+            jit_compile=jit_compile,
+        )
+
+
+def _data(sequence=False):
+    rng = np.random.default_rng(0)
+    if sequence:
+        x = rng.integers(1, 12, (ROWS, 6))
+        lengths = rng.integers(2, 7, ROWS)
+        x[np.arange(6)[None, :] >= lengths[:, None]] = 0
+        return x, rng.integers(0, 4, (ROWS, 6)), None
+    x = rng.normal(size=(ROWS, 5)).astype("float32")
+    y = keras.utils.to_categorical(rng.integers(0, 3, ROWS), 3)
+    return x, y, rng.uniform(0.5, 2.0, ROWS).astype("float32")
+
+
+def _pair(acc, sequence=False, jit_compile=False):
+    with acc.scope():
+        ours = _model(sequence)
+        _compile(ours, sequence, jit_compile)
+    plain = _model(sequence)
+    _compile(plain, sequence)
+    return ours, plain
+
+
+def _fit_both(acc, ours, plain, x, y, w, epochs=2):
+    kwargs = dict(batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be compiled.*")
+        history = acc.fit(ours, x, y, sample_weight=w, **kwargs)
+        logs = acc.evaluate(ours, x, y, sample_weight=w, batch_size=BATCH, verbose=0)
+    expected = plain.fit(x, y, sample_weight=w, **kwargs)
+    plain_logs = plain.evaluate(x, y, sample_weight=w, batch_size=BATCH, verbose=0)
+    return history.history, expected.history, logs, plain_logs
+
+
+def test_auto_compiles_after_its_eager_steps_with_plain_keras_s_numbers(compiled, monkeypatch):
+    monkeypatch.setattr(compiled, "AUTO_AFTER_STEPS", 3)
+    acc = Accelerator(seed=0)
+    ours, plain = _pair(acc)
+    x, y, w = _data()
+    ours_h, plain_h, logs, plain_logs = _fit_both(acc, ours, plain, x, y, w, epochs=3)
+    # Both kinds compiled: after 3 eager training steps (of 15), and 3 of evaluation's 10
+    # (the fit's validation-free evaluate, then ours).
+    assert set(compiled._PROGRAMS[ours]) == {"train", "test"}
+    for name in plain_h:
+        np.testing.assert_allclose(ours_h[name], plain_h[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(logs, plain_logs, rtol=1e-5)
+    assert_weights_close(ours.get_weights(), plain.get_weights())
+    unused = [v for v in ours.trainable_variables if "unused" in v.path]
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(unused[0].value), np.ones(3))
+
+
+def test_jit_compile_compiles_a_masked_sequence_tagger_from_its_second_step(compiled):
+    acc = Accelerator(seed=0)
+    ours, plain = _pair(acc, sequence=True, jit_compile=True)
+    x, y, w = _data(sequence=True)
+    ours_h, plain_h, logs, plain_logs = _fit_both(acc, ours, plain, x, y, w)
+    assert set(compiled._PROGRAMS[ours]) == {"train", "test"}
+    np.testing.assert_allclose(ours_h["loss"], plain_h["loss"], rtol=1e-5)
+    np.testing.assert_allclose(logs, plain_logs, rtol=1e-5)
+    assert_weights_close(ours.get_weights(), plain.get_weights())
+
+
+def test_a_step_torch_cannot_compile_runs_eagerly_with_one_note(compiled):
+    # Keras's torch Dropout seeds a torch.Generator from a tensor: not traceable.
+    acc = Accelerator(seed=0)
+
+    def model():
+        keras.utils.set_random_seed(5)
+        m = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dropout(0.3, seed=1), keras.layers.Dense(3)]
+        )
+        m.compile("sgd", "mse", jit_compile=True)
+        return m
+
+    with acc.scope():
+        ours = model()
+    plain = model()
+    x, y = np.ones((ROWS, 5), "float32"), np.ones((ROWS, 3), "float32")
+    with pytest.warns(UserWarning, match="could not be compiled by torch.compile") as notes:
+        acc.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert sum("could not be compiled" in str(n.message) for n in notes) == 1
+    plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(ours.get_weights(), plain.get_weights())
+
+
+def test_keras_accel_torch_compile_0_never_compiles(compiled, monkeypatch):
+    monkeypatch.setattr(compiled, "AUTO_AFTER_STEPS", 0)
+    monkeypatch.setitem(os.environ, "KERAS_ACCEL_TORCH_COMPILE", "0")
+    acc = Accelerator(seed=0)
+    ours, _ = _pair(acc, jit_compile=True)
+    x, y, w = _data()
+    acc.fit(ours, x, y, sample_weight=w, batch_size=BATCH, epochs=1, verbose=0)
+    assert ours not in compiled._PROGRAMS
