@@ -37,6 +37,7 @@ from keras_accel.utils import keras_internals
 
 STEP_KINDS = ("train", "test", "predict")
 
+
 class StepValue:
     """A value of the step being traced, as a `contextvars.ContextVar` holds it (`get`,
     `set`, `reset`), that torch's compiler can read too.
