@@ -1,0 +1,76 @@
+"""The in-memory array pipeline gathers several batches per tf.data call
+(`keras_accel.data.tfdata._group_loader`): every batch must be the one the per-batch path
+(`_padded`, still used with a model's preprocessing) makes, value for value: the same rows
+in the same order, the same padding, weights and row mask."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from keras_accel.data import tfdata  # noqa: E402
+from keras_accel.data.sources import ArrayBatches  # noqa: E402
+
+
+def _identity(x, y, sample_weight):  # A preprocess that changes nothing: the per-batch path.
+    return x, y, sample_weight
+
+
+def _elements(dataset):
+    return [tf.nest.map_structure(lambda t: t.numpy(), e) for e in dataset]
+
+
+def _assert_same(grouped, reference):
+    assert tf.nest.map_structure(lambda s: (s.shape, s.dtype), grouped.element_spec) == (
+        tf.nest.map_structure(lambda s: (s.shape, s.dtype), reference.element_spec)
+    )
+    assert int(grouped.cardinality()) == int(reference.cardinality())  # Keras's steps.
+    got, want = _elements(grouped), _elements(reference)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        tf.nest.assert_same_structure(a, b)
+        for u, v in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            assert u.dtype == v.dtype and u.shape == v.shape
+            np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("carry_mask", [True, False])
+@pytest.mark.parametrize("weights", [None, "rows", "steps"])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_grouped_batches_equal_per_batch_ones(shuffle, carry_mask, weights, replicas):
+    rng = np.random.default_rng(1)
+    n = 203  # A last batch of 11 real rows of 16 (18 static rows over 3 replicas).
+    x = {"a": rng.normal(size=(n, 5)).astype("float32"), "b": rng.integers(0, 9, (n, 2, 3))}
+    y = rng.normal(size=(n, 4)).astype("float32")
+    sw = {None: None, "rows": rng.random(n), "steps": rng.random((n, 4))}[weights]
+
+    def pipeline(preprocess):
+        batches = ArrayBatches(
+            x, y, sw, batch_size=16, num_replicas=replicas, shuffle=shuffle, seed=7
+        )
+        batches.epoch = 3
+        return tfdata.array_pipeline(batches, carry_mask, preprocess)
+
+    _assert_same(pipeline(None), pipeline(_identity))
+
+
+@pytest.mark.parametrize("carry_mask", [True, False])
+def test_grouped_batches_without_targets_and_strings(carry_mask):
+    n = 37
+    x = (np.array([f"row {i}" for i in range(n)]), np.arange(n * 2).reshape(n, 2) > 30)
+
+    def pipeline(preprocess):
+        batches = ArrayBatches(x, batch_size=8, num_replicas=1, shuffle=True, seed=2)
+        return tfdata.array_pipeline(batches, carry_mask, preprocess)
+
+    _assert_same(pipeline(None), pipeline(_identity))
+
+
+def test_groups_stay_small_for_large_batches():
+    leaves = (tf.zeros([10, 32, 32, 3]), tf.zeros([10, 10]), None)
+    assert tfdata._group_size(leaves, 128, 400) == 2  # 128 rows of 12 KiB: 1.5 MiB a batch.
+    assert tfdata._group_size(leaves, 4096, 400) == 1
+    small = (tf.zeros([10, 32]), tf.zeros([10, 10]), None)
+    assert tfdata._group_size(small, 64, 1024) == tfdata._GROUP_LIMIT
+    assert tfdata._group_size(small, 64, 5) == 5
