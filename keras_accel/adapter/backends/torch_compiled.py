@@ -215,20 +215,12 @@ def _train(model, groups, data, mask, count, ranked, no_gradient):
     _publish(mask, count, ranked)
     trainable_values, non_trainable_values, optimizer_values, metric_values = groups
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    kwargs = {"training": True} if keras_internals.call_has_training_arg(model) else {}
     optimizer = model.optimizer
 
     def loss_of(trainable):
-        mapping = list(zip(model.trainable_variables, trainable))
-        mapping += list(zip(model.non_trainable_variables, non_trainable_values))
-        mapping += list(zip(model.metrics_variables, metric_values))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            y_pred = model(x, **kwargs)
-            loss = keras_internals.compute_loss_of(model)(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-        non_trainable = [scope.get_current_value(v) for v in model.non_trainable_variables]
-        metrics = [scope.get_current_value(v) for v in model.metrics_variables]
+        y_pred, loss, non_trainable, metrics = _forward(
+            model, (trainable, non_trainable_values, metric_values), x, y, sample_weight, True
+        )
         with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
             scaled = optimizer.scale_loss(loss)
         return scaled, (loss, y_pred, non_trainable, metrics)
@@ -263,21 +255,32 @@ def _test(model, groups, data, mask, count, ranked, no_gradient):
     _publish(mask, count, ranked)
     trainable_values, non_trainable_values, optimizer_values, metric_values = groups
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    kwargs = {"training": False} if keras_internals.call_has_training_arg(model) else {}
-    mapping = list(zip(model.trainable_variables, trainable_values))
-    mapping += list(zip(model.non_trainable_variables, non_trainable_values))
-    mapping += list(zip(model.metrics_variables, metric_values))
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        y_pred = model(x, **kwargs)
-        loss = keras_internals.compute_loss_of(model)(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
-        )
-    non_trainable = [scope.get_current_value(v) for v in model.non_trainable_variables]
-    metrics = [scope.get_current_value(v) for v in model.metrics_variables]
+    y_pred, loss, non_trainable, metrics = _forward(
+        model, (trainable_values, non_trainable_values, metric_values), x, y, sample_weight, False
+    )
     logs, metrics = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
     _write(groups, (trainable_values, non_trainable, optimizer_values, metrics))
     _unpublish()
     return logs
+
+
+def _forward(model, values, x, y, sample_weight, training: bool):
+    """Keras's step's forward pass and loss (`_compute_loss`) on the variables' `values`
+    (trainable, non-trainable, metrics): the prediction, the loss, and the new non-trainable
+    and metric values."""
+    trainable, non_trainable, metrics = values
+    mapping = list(zip(model.trainable_variables, trainable))
+    mapping += list(zip(model.non_trainable_variables, non_trainable))
+    mapping += list(zip(model.metrics_variables, metrics))
+    kwargs = {"training": training} if keras_internals.call_has_training_arg(model) else {}
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        y_pred = model(x, **kwargs)
+        loss = keras_internals.compute_loss_of(model)(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+    non_trainable = [scope.get_current_value(v) for v in model.non_trainable_variables]
+    metrics = [scope.get_current_value(v) for v in model.metrics_variables]
+    return y_pred, loss, non_trainable, metrics
 
 
 def _update_metrics(model, metric_values, loss, x, y, y_pred, sample_weight):
