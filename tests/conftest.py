@@ -21,6 +21,9 @@ import pytest  # noqa: E402
 
 from keras_accel.utils.devices import configure_virtual_cpu_devices  # noqa: E402
 
+# Local object-store servers (s3://, gs://) as fixtures for every test: s3_bucket, gcs_bucket.
+pytest_plugins = ["tests.object_stores"]
+
 BACKEND = keras.backend.backend()
 
 # On torch one process is one device (several are several processes: keras-accel launch -n N),
