@@ -6,14 +6,17 @@ the environment that points the clients at it is set per test and undone after i
 test that does not ask for a bucket sees the machine's environment unchanged (and the
 suite's guard against leaked variables holds):
 
-    def test_something(s3_bucket):        # "s3://<fresh bucket>"
+    def test_something(s3_bucket):        # "s3://<fresh bucket>"; gcs_bucket: "gs://..."
         with fsspec.open(f"{s3_bucket}/x", "wb") as f: ...
+
+`s3_server` / `gcs_server` give the server itself (its `endpoint` and the `env` it sets).
 
 The variables reach the processes a test starts too (`keras-accel launch`, a killed fit), as
 a user's would. Each fixture skips with the install command when its packages are missing.
 """
 
 import contextlib
+import importlib
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -122,6 +125,97 @@ def s3_bucket(s3_server):
     fs = s3fs.S3FileSystem()
     url = f"s3://{_bucket_name()}"
     fs.mkdir(url)
+    yield url
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(url, recursive=True)
+
+
+# -- gs:// -------------------------------------------------------------------------------------
+
+# gcp-storage-emulator (pure Python, from pip) speaks GCS's JSON API over plain HTTP. What each
+# client reads to reach it:
+# - gcsfs and google-cloud-storage: STORAGE_EMULATOR_HOST.
+# - tensorstore (Orbax's arrays): TENSORSTORE_GCS_HTTP_URL, and GOOGLE_AUTH_TOKEN_FOR_TESTING
+#   instead of looking for credentials (a probe of GCE's metadata server otherwise).
+# - gcsfs >= 2026.3 by default first asks GCS's gRPC control plane for the bucket's layout
+#   (zonal, hierarchical), on every operation while the answer is unknown; the emulator has no
+#   gRPC, so each call waited 60 s before falling back. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
+#   keeps the plain JSON-API client (read when gcsfs is imported: children; this process swaps
+#   the registered class below).
+# - etils.epath (Orbax's metadata files) writes gs:// through tf.io.gfile whenever TensorFlow is
+#   installed, and TensorFlow's GCS client has its endpoint compiled in
+#   (www.googleapis.com/storage/v1): EPATH_USE_TF=false sends it through fsspec (gcsfs).
+# And no machine credentials: no GCE metadata probe, no gcloud configuration.
+_GCS_UNSET = ("GOOGLE_APPLICATION_CREDENTIALS", "GCE_METADATA_HOST", "GCE_METADATA_IP")
+
+
+@pytest.fixture(scope="session")
+def _gcs_service():
+    """gcp-storage-emulator in a thread of this process, in memory, on 127.0.0.1 and a free
+    port; stopped at the end of the session."""
+    _require("gcsfs", "gcsfs (the `remote` extra)")
+    emulator = _require("gcp_storage_emulator.server", "gcp-storage-emulator")
+    server = emulator.create_server("127.0.0.1", 0, in_memory=True)
+    server.start()
+    try:
+        # The emulator has no accessor for the port the OS chose: its HTTP server has it.
+        port = server._api._httpd.server_address[1]
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {
+            "STORAGE_EMULATOR_HOST": endpoint,
+            "TENSORSTORE_GCS_HTTP_URL": endpoint,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "testing",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "EPATH_USE_TF": "false",
+            "NO_GCE_CHECK": "true",
+            # gcloud's directory, where application-default credentials would be: none there.
+            "CLOUDSDK_CONFIG": os.devnull,
+            "GOOGLE_CLOUD_PROJECT": "keras-accel-tests",
+        }
+        yield Server("gs", endpoint, env)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_server(_gcs_service, monkeypatch):
+    """The session's GCS emulator, with this process's environment (and so its children's)
+    pointing gcsfs, google-cloud-storage, tensorstore and etils at it for the test; undone
+    afterwards."""
+    import gcsfs.core
+
+    for name in _GCS_UNSET:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in _gcs_service.env.items():
+        monkeypatch.setenv(name, value)
+    # gcsfs chose its class when this process imported it, maybe before the variable above:
+    # fsspec's registry takes the plain one for the test (the entry is removed afterwards).
+    registry = importlib.import_module("fsspec.registry")._registry
+    for protocol in ("gs", "gcs"):
+        monkeypatch.setitem(registry, protocol, gcsfs.core.GCSFileSystem)
+    # etils caches whether it may use TensorFlow; the test's answer must follow EPATH_USE_TF.
+    _clear_etils_backend_cache()
+    _clear_cached_filesystems(gcsfs.core.GCSFileSystem, gcsfs.GCSFileSystem)
+    yield _gcs_service
+    _clear_cached_filesystems(gcsfs.core.GCSFileSystem, gcsfs.GCSFileSystem)
+    _clear_etils_backend_cache()
+
+
+def _clear_etils_backend_cache():
+    with contextlib.suppress(ImportError, AttributeError):
+        importlib.import_module("etils.epath.gpath")._is_tf_installed.cache_clear()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+    """A fresh, empty bucket on the test's GCS emulator: yields "gs://<name>". Removed with its
+    objects afterwards."""
+    import fsspec
+
+    fs = fsspec.filesystem("gs")
+    name = _bucket_name()
+    fs.mkdir(name)  # gcsfs creates a bucket from its bare name ("gs://x" looks like a folder)
+    url = f"gs://{name}"
     yield url
     with contextlib.suppress(FileNotFoundError):
         fs.rm(url, recursive=True)

@@ -59,13 +59,38 @@ def test_s3_buckets_are_fresh_and_on_the_local_server(s3_server, s3_bucket):
     assert s3_server.endpoint.startswith("http://127.0.0.1:")
 
 
+def test_gcs_bucket_holds_what_fsspec_writes(gcs_bucket):
+    assert gcs_bucket.startswith("gs://")
+    _write_and_read(gcs_bucket)
+
+
+def test_gcs_object_written_by_a_child_process(gcs_bucket):
+    _child_writes(f"{gcs_bucket}/child.txt")
+
+
+def test_gcs_emulator_reaches_tensorstore(gcs_bucket):
+    # Orbax writes its arrays through tensorstore, which finds the emulator by its own variable.
+    ts = pytest.importorskip("tensorstore")
+    import numpy as np
+
+    bucket = gcs_bucket.removeprefix("gs://")
+    spec = {"driver": "zarr", "kvstore": {"driver": "gcs", "bucket": bucket, "path": "a/"}}
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    array = ts.open(spec, create=True, dtype=ts.float32, shape=values.shape).result()
+    array.write(values).result()
+    np.testing.assert_array_equal(ts.open(spec).result().read().result(), values)
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    assert fs.exists(f"{bucket}/a/.zarray")
+
+
 def _cloud_variables() -> dict:
     # pytest's own PYTEST_CURRENT_TEST changes between setup and teardown.
-    return {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "STORAGE_", "GOOGLE"))}
+    names = ("AWS_", "STORAGE_", "GOOGLE", "GCSFS_", "TENSORSTORE_", "EPATH_", "NO_GCE", "CLOUDSDK")
+    return {k: v for k, v in os.environ.items() if k.startswith(names)}
 
 
 @pytest.fixture
-def _environment_around_s3():
+def _environment_around():
     before = _cloud_variables()
     # The server's fixture is asked for inside the test, after this one: its teardown has run
     # by the time this fixture's own teardown looks at the environment.
@@ -73,8 +98,15 @@ def _environment_around_s3():
     assert _cloud_variables() == before
 
 
-def test_s3_environment_is_undone_after_the_test(_environment_around_s3, request):
-    before = _environment_around_s3
+def test_s3_environment_is_undone_after_the_test(_environment_around, request):
+    before = _environment_around
     server = request.getfixturevalue("s3_server")
     assert os.environ["AWS_ENDPOINT_URL"] == server.endpoint
     assert os.environ["AWS_ENDPOINT_URL"] != before.get("AWS_ENDPOINT_URL")
+
+
+def test_gcs_environment_is_undone_after_the_test(_environment_around, request):
+    before = _environment_around
+    server = request.getfixturevalue("gcs_server")
+    assert os.environ["STORAGE_EMULATOR_HOST"] == server.endpoint
+    assert os.environ["STORAGE_EMULATOR_HOST"] != before.get("STORAGE_EMULATOR_HOST")
