@@ -43,6 +43,7 @@ DOCSTRING_MODULES = [
     "keras_accel.models.bert",
     "keras_accel.models.flops",
     "keras_accel.models.seed",
+    "keras_accel.state.outputs",
     "keras_accel.state.whole",
 ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from keras_accel.benchmark.finder import find_batch_size
 from keras_accel.benchmark.isolate import ERROR, TIMEOUT
@@ -22,6 +23,7 @@ from keras_accel.benchmark.spec import (
     parse_batch_sizes,
 )
 from keras_accel.benchmark.sweep import run_benchmark
+from keras_accel.state import outputs
 
 # Without --quick: the seed's sweep, on the active backend.
 FULL_DEFAULTS = {
@@ -140,13 +142,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CIFAR-10 archive or directory (default: Keras's caches, else synthetic data)",
     )
     add("--synthetic", action="store_true", help="use synthetic data without looking for CIFAR-10")
-    add("--json", default=None, metavar="FILE", help="write every figure as JSON")
-    add("--csv", default=None, metavar="FILE", help="write one CSV row per configuration")
+    add(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write every figure as JSON (a path or a URL: gs://, s3://, any fsspec protocol)",
+    )
+    add(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="write one CSV row per configuration (a path or a URL)",
+    )
     add(
         "--plot",
         default=None,
         metavar="FILE.png",
-        help="plot s/epoch and MFU against batch size (needs matplotlib)",
+        help="plot s/epoch and MFU against batch size (a path or a URL; needs matplotlib)",
     )
     add(
         "--quick",
@@ -220,13 +232,20 @@ def resolve(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `keras-accel bench`; returns the exit status (1 if a configuration errored)."""
+    """Run `keras-accel bench`; returns the exit status (1 if a configuration errored or an
+    output could not be written)."""
     settings = resolve(args)
+    if args.find_batch_size and (args.csv or args.plot):
+        raise BenchInputError(
+            "--find-batch-size writes its result with --json only; --csv and --plot belong to "
+            f"the sweep. Received: --csv {args.csv!r}, --plot {args.plot!r}"
+        )
     if args.plot:
         try:
             import_pyplot()  # fail now, not after an hour of measurements
         except ImportError as error:
             raise BenchInputError(str(error)) from None
+    _check_outputs(args)
     if args.find_batch_size:
         return _find(args, settings)
     report = run_benchmark(
@@ -249,14 +268,52 @@ def run(args: argparse.Namespace) -> int:
     )
     report.meta["command"] = "keras-accel bench " + " ".join(sys.argv[2:])
     print(report.to_markdown())
-    if args.json:
-        report.to_json(args.json)
-    if args.csv:
-        report.to_csv(args.csv)
-    if args.plot:
-        report.plot(args.plot)
+    written = _write_outputs(
+        [
+            ("json", args.json, report.to_json),
+            ("csv", args.csv, report.to_csv),
+            ("plot", args.plot, report.plot),
+        ]
+    )
     failed = [r for r in report.results if r.status in (ERROR, TIMEOUT)]
-    return 1 if failed else 0
+    return 1 if failed or not written else 0
+
+
+OUTPUTS = ("json", "csv", "plot")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every --json/--csv/--plot target checked before the sweep, not after it."""
+    for option in OUTPUTS:
+        path = getattr(args, option, None)
+        if path is None:
+            continue
+        try:
+            outputs.check_writable(path)
+        except Exception as error:  # Whatever the store says (credentials too), said now.
+            raise BenchInputError(
+                f"--{option} {path!r} cannot be written: {type(error).__name__}: {error}"
+            ) from None
+
+
+def _write_outputs(targets: list[tuple[str, str | None, Callable[[str], None]]]) -> bool:
+    """Write each requested `(option, path, writer)`. One that fails (a store refusing the
+    upload after the sweep) is reported on stderr and the others are still written, since
+    the measurements cost far more than a retry. True if every one was written."""
+    written = True
+    for option, path, writer in targets:
+        if path is None:
+            continue
+        try:
+            writer(path)
+        except Exception as error:  # Any store error: the other outputs still go out.
+            written = False
+            print(
+                f"keras-accel bench: error: --{option} {path!r} was not written: "
+                f"{type(error).__name__}: {error}. The table above holds the figures.",
+                file=sys.stderr,
+            )
+    return written
 
 
 def _find(args: argparse.Namespace, settings: dict) -> int:
@@ -295,7 +352,6 @@ def _find(args: argparse.Namespace, settings: dict) -> int:
         f"## keras-accel bench --find-batch-size: {settings['model']} (margin {args.margin:.0%})\n"
     )
     print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in found], f, indent=2)
-    return 0
+    text = json.dumps([r.to_dict() for r in found], indent=2)
+    written = _write_outputs([("json", args.json, lambda path: outputs.write(path, text))])
+    return 0 if written else 1

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
-import os
 from typing import Any
 
 from keras_accel.benchmark.isolate import NOT_INSTALLED, OK, OOM
+from keras_accel.state import files, outputs
 
 _RAW_FIELDS = (
     "epoch_seconds", "steps_per_epoch", "static_batch", "num_recompiles", "strategy",
@@ -369,13 +370,14 @@ class BenchReport:
         return "\n".join(lines).rstrip() + "\n"
 
     def to_json(self, path: str) -> None:
-        _parent(path)
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        """Write the report as JSON to `path`: a local path or a URL (`gs://`, `s3://`, any
+        fsspec protocol), written whole."""
+        outputs.write(path, json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def from_json(cls, path: str) -> BenchReport:
-        """Read a report written by `to_json` (e.g. on another machine) to print or merge it.
+        """Read a report written by `to_json` (a local path or a URL), e.g. on another
+        machine, to print or merge it.
 
         Example:
             >>> import os, tempfile
@@ -384,8 +386,7 @@ class BenchReport:
             >>> BenchReport.from_json(path).results[0].status
             'OOM'
         """
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(files.read_text(path))
         names = {field.name for field in dataclasses.fields(BenchResult)}
         results = [
             BenchResult(**{k: v for k, v in row.items() if k in names}) for row in data["results"]
@@ -400,20 +401,22 @@ class BenchReport:
         }
 
     def to_csv(self, path: str) -> None:
-        """One row per (backend, batch size); lists and dicts are written as JSON."""
-        _parent(path)
+        """One row per (backend, batch size), to `path` (local or URL); lists and dicts are
+        written as JSON."""
         rows = [r.to_dict() for r in self.results]
         fields = list(rows[0]) if rows else ["backend", "batch_size", "status"]
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow(
-                    {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()}
-                )
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()}
+            )
+        outputs.write(path, text.getvalue())
 
     def plot(self, path: str) -> None:
-        """A PNG of steady seconds per epoch and MFU against batch size, one line per backend.
+        """A PNG of steady seconds per epoch and MFU against batch size, one line per backend,
+        to `path` (local or URL; `.svg`/`.pdf` names get that format).
 
         Raises:
             ImportError: matplotlib is not installed (`pip install keras-accel[plot]`).
@@ -464,9 +467,10 @@ class BenchReport:
             if axis.get_legend_handles_labels()[0]:
                 axis.legend()
         figure.tight_layout()
-        _parent(path)
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
+        try:
+            outputs.write_figure(path, figure, dpi=110)
+        finally:
+            plt.close(figure)
 
 
 def import_pyplot():
@@ -486,11 +490,6 @@ def import_pyplot():
 
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
-
-
-def _parent(path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
 
 
 def _describe(results: list[BenchResult]) -> str:

@@ -1,16 +1,19 @@
 """`keras-accel bench` end to end: the table and the files, data errors, the JAX-only path."""
 
 import csv
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import numpy as np
 import pytest
 
 from keras_accel.cli.main import main
+from keras_accel.state import files
 from tests.benchmark.conftest import TINY_CONV
 
 RECORD = 1 + 32 * 32 * 3  # CIFAR-10 binary format: a label byte, then the pixels
@@ -138,3 +141,46 @@ def test_find_batch_size_command(backend, tmp_path, capsys):
     (found,) = json.loads((tmp_path / "found.json").read_text())
     assert found["batch_size"] == 256 and found["max_batch_size"] == 512
     assert found["first_oom"] is None and found["samples_per_second"] > 0
+
+
+def test_bench_writes_its_outputs_to_a_bucket(backend, s3_bucket, capsys):
+    """--json/--csv/--plot to s3:// on a real S3 server (moto's, on 127.0.0.1), and nothing
+    in the working directory. A timeout that no child meets keeps it cheap: the rows are
+    TIMEOUT (exit status 1), and the outputs are written all the same. A missing bucket is
+    refused before the sweep."""
+    before = set(os.listdir("."))
+    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}/b.json"
+    assert main(["bench", "--backends", backend, "--json", missing, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert f"--json {missing!r} cannot be written" in captured.err and "bucket" in captured.err
+    assert captured.out == ""  # Nothing measured.
+    run = f"{s3_bucket}/bench"
+    status = main([
+        "bench", "--model", "mlp", "--width", "0.05", "--batch-sizes", "16,32",
+        "--samples", "64", "--epochs", "1", "--backends", backend, "--timeout", "0.001",
+        "--json", f"{run}/b.json", "--csv", f"{run}/b.csv", "--plot", f"{run}/b.png",
+        "--no-progress",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 1, captured.err
+    rows = json.loads(files.read_text(f"{run}/b.json"))["results"]
+    assert [(r["batch_size"], r["status"]) for r in rows] == [(16, "timeout"), (32, "timeout")]
+    assert [r["status"] for r in csv.DictReader(io.StringIO(files.read_text(f"{run}/b.csv")))]
+    assert files.read_bytes(f"{run}/b.png")[:4] == b"\x89PNG"
+    assert set(os.listdir(".")) == before  # No local ./s3:/... tree.
+
+
+def test_bench_refuses_an_output_it_cannot_write_before_measuring(backend, tmp_path, capsys):
+    cases = [
+        (["--json", "nosuchprotocol://bucket/b.json"], "--json 'nosuchprotocol://bucket/b.json'"),
+        (["--csv", str(tmp_path)], "it is an existing directory"),
+        (["--find-batch-size", "--plot", "x.png"], "--find-batch-size writes its result"),
+    ]
+    for extra, expected in cases:
+        status = main([
+            "bench", "--model", "mlp", "--batch-sizes", "16", "--samples", "64",
+            "--backends", backend, "--no-progress", *extra,
+        ])  # fmt: skip
+        captured = capsys.readouterr()
+        assert status == 2 and expected in captured.err, (extra, captured.err)
+        assert captured.out == ""  # Refused before any measurement.

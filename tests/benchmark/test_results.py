@@ -1,12 +1,16 @@
 """Derived figures and the report's Markdown, JSON, CSV and PNG forms (no child processes)."""
 
 import csv
+import importlib.util
+import io
 import json
+import uuid
 
 import pytest
 
 from keras_accel.benchmark import isolate
 from keras_accel.benchmark.results import BenchReport, BenchResult
+from keras_accel.state import files
 
 
 def _ok(backend, batch, epochs=(5.0, 2.0, 1.5), **extra):
@@ -119,6 +123,25 @@ def test_plot_writes_a_png(report, tmp_path):
     path = tmp_path / "bench.png"
     report.plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+def test_json_csv_and_plot_to_urls(report, store, request):
+    """Every output to a URL: memory://, and a real S3 server (moto's, on 127.0.0.1)."""
+    if store == "s3":
+        root = request.getfixturevalue("s3_bucket")
+    else:
+        root = f"memory://bench-{uuid.uuid4().hex[:8]}"
+    report.to_json(f"{root}/run/bench.json")
+    assert BenchReport.from_json(f"{root}/run/bench.json").to_markdown() == report.to_markdown()
+    report.to_csv(f"{root}/run/bench.csv")
+    rows = list(csv.DictReader(io.StringIO(files.read_text(f"{root}/run/bench.csv"))))
+    assert [r["status"] for r in rows] == [r.status for r in report.results]
+    if importlib.util.find_spec("matplotlib") is not None:
+        report.plot(f"{root}/run/bench.png")
+        assert files.read_bytes(f"{root}/run/bench.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    if store == "memory":
+        files.rmtree(root)
 
 
 def test_measured_cpu_peak_is_the_best_of_the_sweep():
