@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from keras_accel.state import files
+from keras_accel.state import files, outputs
 from keras_accel.state.whole import whole_values
 
 
@@ -22,9 +22,7 @@ def save(model, path: str, weights_only: bool) -> None:
             f"Cannot save the model to {path!r}: it is an existing directory. Give a file "
             "path ending in .keras (or .weights.h5 with save_weights_only=True)."
         )
-    parent = files.dirname(path)
-    if parent and not files.exists(parent):
-        files.makedirs(parent)
+    outputs.prepare_parent(path)  # Local directories only: a URL's would make a bucket.
     if files.is_remote(path):
         with tempfile.TemporaryDirectory(prefix="keras_accel-") as directory:
             local = os.path.join(directory, files.basename(path))

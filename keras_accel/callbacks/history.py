@@ -6,7 +6,6 @@ import csv as _csv
 import io
 import json
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 from keras_accel.adapter.protocol import run_context
 from keras_accel.callbacks._run import run_state
 from keras_accel.callbacks.learning_rate import host_step, optimizer_rate
-from keras_accel.state import files
+from keras_accel.state import files, outputs
 from keras_accel.utils import keras_internals, process
 from keras_accel.utils.optimizers import inner_optimizer
 
@@ -56,7 +55,7 @@ class History(keras.callbacks.History):
             `gs://bucket/run/history.json`); None keeps it in memory only. An existing file
             is read at the start of training and continued.
         csv: True to also write a CSV of the epochs next to it (`path` with `.csv` for its
-            `.json` suffix), or the CSV's own path.
+            `.json` suffix), or the CSV's own path or URL.
         per_step: also record the logs of every training batch.
 
     Example:
@@ -276,11 +275,9 @@ class History(keras.callbacks.History):
         if not process.is_chief():
             return
         if self.path:
-            _ensure_parent(self.path)
-            files.write_atomic(self.path, json.dumps(self.to_dict(), indent=1))
+            outputs.write(self.path, json.dumps(self.to_dict(), indent=1))
         if self.csv_path:
-            _ensure_parent(self.csv_path)
-            files.write_atomic(self.csv_path, self.to_csv())
+            outputs.write(self.csv_path, self.to_csv())
 
     def to_csv(self) -> str:
         """The epochs as CSV text: one row per epoch, one column per key."""
@@ -301,7 +298,9 @@ class History(keras.callbacks.History):
         (`pip install matplotlib`, or the `plot` extra of keras_accel).
 
         Args:
-            path: the PNG to write (a local path or a URL).
+            path: the PNG to write: a local path (its directory is created) or a URL such
+                as `gs://bucket/run/curves.png` (drawn in memory, written whole). A `.svg`
+                or `.pdf` name gets that format.
 
         Returns:
             `path`.
@@ -335,12 +334,10 @@ class History(keras.callbacks.History):
         axes[-1, 0].set_xlabel("epoch")
         figure.tight_layout()
         path = os.fspath(path)
-        with tempfile.TemporaryDirectory(prefix="keras_accel-") as directory:
-            local = os.path.join(directory, "plot.png")
-            figure.savefig(local, format="png", dpi=100)
+        try:
+            outputs.write_figure(path, figure, dpi=100)
+        finally:
             pyplot.close(figure)
-            _ensure_parent(path)
-            files.upload(local, path)
         return path
 
 
@@ -371,12 +368,6 @@ def _plain(logs: dict | None) -> dict[str, Any]:
         array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
         plain[key] = array.item() if array.size == 1 else array.tolist()
     return plain
-
-
-def _ensure_parent(path: str) -> None:
-    parent = files.dirname(path)
-    if parent and not files.exists(parent):
-        files.makedirs(parent)
 
 
 def _samples_seen(model) -> float | None:

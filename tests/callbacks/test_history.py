@@ -1,5 +1,6 @@
 """History: Keras's record, plus timings, files written atomically, and resume."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -109,6 +110,29 @@ def test_remote_path_and_csv_path(tmp_path):
     assert History.load(f"{remote}/run/h.json").epoch == [0, 1]
     assert files.read_text(f"{remote}/other/h.csv").splitlines()[0].startswith("epoch,loss")
     files.rmtree(remote)
+
+
+@pytest.mark.torch
+def test_record_csv_and_plot_on_s3(s3_bucket):
+    """On a real S3 server (moto's): the record, its CSV and the plot are objects in the
+    bucket, read back; a missing bucket is the store's error, never a bucket made for it."""
+    import s3fs
+
+    record = History(path=f"{s3_bucket}/run/h.json", csv=True)
+    for epoch in range(2):
+        record.finish_epoch(epoch, {"loss": 1.0 / (epoch + 1)})
+    record.write()
+    assert History.load(f"{s3_bucket}/run/h.json").history["loss"] == [1.0, 0.5]
+    assert files.read_text(f"{s3_bucket}/run/h.csv").splitlines()[0].startswith("epoch,loss")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert record.plot(f"{s3_bucket}/run/curves.png") == f"{s3_bucket}/run/curves.png"
+        assert files.read_bytes(f"{s3_bucket}/run/curves.png")[:4] == b"\x89PNG"
+    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}"
+    lost = History(path=f"{missing}/h.json")
+    lost.finish_epoch(0, {"loss": 1.0})
+    with pytest.raises(FileNotFoundError):
+        lost.write()
+    assert not s3fs.S3FileSystem().exists(missing)
 
 
 def test_interrupted_write_keeps_the_last_complete_file(tmp_path, monkeypatch):
