@@ -5,6 +5,26 @@ would mix them. The lock records who holds it (host, process id, a random token)
 heartbeat time that the holder refreshes while it trains. A lock is stale, and is taken
 over with a warning, when its process is gone (same host) or its heartbeat is older than
 the timeout (another host, e.g. a preempted TPU VM whose job restarted elsewhere).
+
+There is no `flock` on an object store (nor across the hosts of a shared disk), so the lock
+is an object created only if absent, which every storage here can do in one step:
+
+- a local disk: the record is written to a hidden sibling and hard-linked to `.lock`
+  (`link` fails if the name exists), so the file appears whole or not at all;
+- s3://: a PUT with `If-None-Match: *` (AWS S3 since 2024, MinIO, moto);
+- gs://: an upload with `ifGenerationMatch=0`;
+- any other fsspec protocol: fsspec's "create" mode, which on some is a check then a
+  write; there, and on an S3-compatible store that ignores `If-None-Match`, the record is
+  read back after writing and of two runs at the same moment the one whose record stuck
+  wins, which still leaves a short window.
+
+So of two runs that start on a free directory at the same moment, exactly one gets the
+lock. Taking over a *stale* lock is a delete then a create (no store here can replace an
+object only if it is still a given version through fsspec): a third run that judged the
+same lock stale in the same moment can remove the new holder's lock. Each heartbeat
+therefore first reads the lock, and a holder that finds another process's record there
+stops with an error naming it, so at most one run goes on past its next heartbeat
+(every `lock_timeout / 4` seconds, or 60 s without a timeout).
 """
 
 from __future__ import annotations
@@ -17,6 +37,8 @@ import time
 import uuid
 import warnings
 import weakref
+
+import fsspec
 
 from keras_accel.state import files
 from keras_accel.utils import keras_internals
@@ -65,11 +87,14 @@ class DirectoryLock:
 
     def _read(self) -> dict | None:
         try:
-            return json.loads(files.read_text(self.path))
+            text = files.read_text(self.path)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        try:
+            holder = json.loads(text)
+        except ValueError:
             return {}  # Unreadable: treated as held by nobody we can name.
+        return holder if isinstance(holder, dict) else {}
 
     def _describe(self, holder: dict) -> str:
         age = time.time() - float(holder.get("heartbeat", 0.0))
@@ -104,35 +129,74 @@ class DirectoryLock:
         return time.time() - float(holder.get("heartbeat", 0.0)) > self.timeout
 
     def acquire(self, owner_model) -> None:
-        holder = self._read()
-        if holder is not None and not self._stale(holder, owner_model):
-            raise RuntimeError(
-                f"Another training run is using the backup directory {self.directory!r}: "
-                f"{self._describe(holder)}. Two runs saving to one directory would overwrite "
-                "each other's checkpoints. Give this run its own backup_dir, or, if that run "
-                f"is gone, delete {self.path!r}."
-            )
-        ours = (
-            holder
-            and holder.get("pid") == os.getpid()
-            and (holder.get("host") == socket.gethostname())
-        )
-        if holder and holder.get("token") != self.token and not ours:
-            # A leftover of this process (a fit that raised) is not news; another's is.
-            warnings.warn(
-                f"BackupAndRestore: taking over the stale lock of {self._describe(holder)} "
-                f"in {self.directory!r}.",
-                stacklevel=3,
-            )
-        self._write()
-        # Read back: of two runs racing for a free lock, the one whose token stuck wins.
+        # Two rounds: a lock created by another run between our read and our create is
+        # judged like one found at the start (held: an error naming it; stale: taken over).
+        for _ in range(2):
+            holder = self._read()
+            if holder is None:
+                if self._create():
+                    break
+                continue
+            if not self._stale(holder, owner_model):
+                raise RuntimeError(
+                    f"Another training run is using the backup directory {self.directory!r}: "
+                    f"{self._describe(holder)}. Two runs saving to one directory would "
+                    "overwrite each other's checkpoints. Give this run its own backup_dir, or, "
+                    f"if that run is gone, delete {self.path!r}."
+                )
+            if holder.get("token") == self.token or self._of_this_process(holder):
+                # Ours, or a leftover of this process (a fit that raised): no other run
+                # can be racing for it, so it is rewritten in place.
+                self._write()
+                break
+            if self._take_over(holder):
+                if holder:  # Another run's lock, named (an unreadable one names nobody).
+                    warnings.warn(
+                        f"BackupAndRestore: taking over the stale lock of "
+                        f"{self._describe(holder)} in {self.directory!r}.",
+                        stacklevel=3,
+                    )
+                break
+        else:
+            raise self._raced()
+        # Read back: a store whose "create if absent" is a check then a write (or that
+        # ignores the condition) may have let two runs in; the one whose record stuck wins.
         if (self._read() or {}).get("token") != self.token:
-            raise RuntimeError(
-                f"Another training run took the lock of {self.directory!r} at the same "
-                "moment. Give each run its own backup_dir."
-            )
+            raise self._raced()
         self._held = True
         _HELD[self.directory] = weakref.ref(self)
+
+    def _raced(self) -> RuntimeError:
+        return RuntimeError(
+            f"Another training run took the lock of {self.directory!r} at the same moment. "
+            "Give each run its own backup_dir."
+        )
+
+    def _of_this_process(self, holder: dict) -> bool:
+        return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+    def _take_over(self, stale: dict) -> bool:
+        """Replace the stale lock `stale` by ours; False if another run got there first."""
+        # Still the record judged stale? Another run taking it over too may have replaced it.
+        if self._read() != stale:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            files.remove(self.path)
+        return self._create()
+
+    def _create(self) -> bool:
+        """Write our record as the lock only if there is none: True if it was written."""
+        data = json.dumps(self._record()).encode("utf-8")
+        if files.is_remote(self.path):
+            fs, inner = fsspec.core.url_to_fs(self.path)
+            try:
+                fs.pipe_file(inner, data, mode="create")
+            except FileExistsError:
+                return False
+        elif not _create_local(files.local_path(self.path), data):
+            return False
+        self._last_beat = time.monotonic()
+        return True
 
     def _running(self) -> bool:
         """Whether the owner is alive and its fit is running now."""
@@ -144,12 +208,28 @@ class DirectoryLock:
         self._last_beat = time.monotonic()
 
     def heartbeat(self, force: bool = False) -> None:
-        """Refresh the heartbeat, at most every quarter of the timeout unless forced."""
+        """Refresh the heartbeat, at most every quarter of the timeout unless forced.
+
+        Raises:
+            RuntimeError: another process has taken the lock over (it judged this run's
+                heartbeat too old): two runs must not go on in one directory.
+        """
         if not self._held:
             return
         interval = 60.0 if self.timeout is None else self.timeout / 4
-        if force or time.monotonic() - self._last_beat >= interval:
-            self._write()
+        if not (force or time.monotonic() - self._last_beat >= interval):
+            return
+        holder = self._read()
+        if holder and holder.get("token") != self.token and not self._of_this_process(holder):
+            self._held = False  # Theirs now: release() must not delete it.
+            raise RuntimeError(
+                f"The lock of the backup directory {self.directory!r} was taken over by "
+                f"{self._describe(holder)}, which judged this run's lock stale (its heartbeat "
+                f"older than lock_timeout={self.timeout}). This run stops so that the two do not "
+                "overwrite each other's checkpoints; raise lock_timeout if this run was "
+                "only slow."
+            )
+        self._write()
 
     def release(self) -> None:
         if not self._held:
@@ -162,3 +242,31 @@ class DirectoryLock:
         if holder is not None and holder.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
                 files.remove(self.path)
+
+
+def _create_local(path: str, data: bytes) -> bool:
+    """Create the local file `path` holding `data`, whole, only if it does not exist."""
+    temp = files.temp_sibling(path)
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            # One step that fails if the name exists: the lock appears whole or not at all.
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+        except OSError:
+            # No hard links on this file system (some network and FUSE mounts): an
+            # exclusive create, whose record a racing reader may briefly see empty.
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(temp)
