@@ -133,6 +133,33 @@ def test_rotation_counts_older_matching_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["e3.weights.h5", "e4.weights.h5", "unrelated.txt"]
 
 
+@pytest.mark.torch
+def test_files_and_rotation_on_s3(s3_bucket):
+    """On a real S3 server (moto's): each epoch's file is an object, rotation keeps the
+    newest two (listed and dated by the store), the newest loads back to the model's
+    weights; a missing bucket is the store's error, never a bucket made for it."""
+    import s3fs
+
+    model = compiled_mlp()
+    model.set_weights([w + 0.5 for w in model.get_weights()])  # Unlike a fresh model's.
+    checkpoint = ModelCheckpoint(
+        f"{s3_bucket}/ckpt/e{{epoch}}.weights.h5", save_weights_only=True, max_to_keep=2
+    )
+    checkpoint.set_model(model)
+    for epoch in range(3):  # Files e1, e2, e3.
+        checkpoint.on_epoch_begin(epoch)
+        checkpoint.on_epoch_end(epoch, {"loss": 1.0})
+    assert files.listdir(f"{s3_bucket}/ckpt") == ["e2.weights.h5", "e3.weights.h5"]
+    restored = compiled_mlp()
+    with files.local_copy(f"{s3_bucket}/ckpt/e3.weights.h5") as local:
+        restored.load_weights(local)
+    assert_weights_close(restored.get_weights(), model.get_weights(), atol=0)
+    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(FileNotFoundError):
+        _saving.save(model, f"{missing}/model.keras", weights_only=False)
+    assert not s3fs.S3FileSystem().exists(missing)
+
+
 def test_a_crash_while_saving_keeps_the_previous_file(tmp_path, monkeypatch):
     model = compiled_mlp()
     target = tmp_path / "model.weights.h5"
