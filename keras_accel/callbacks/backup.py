@@ -151,10 +151,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     `wait()` and `restore()` directly.
 
     Args:
-        backup_dir: directory for the backups: a local path, or a URL the engine writes
-            (`gs://` on every backend; on TensorFlow any scheme `tf.io.gfile` has, on torch
-            any that fsspec has). Every process must see the same directory. It must
-            not be shared with other runs or other callbacks.
+        backup_dir: directory for the backups: a local path, or a URL (`gs://`, `s3://`:
+            any scheme fsspec has, on every backend; Orbax and tf.train write `gs://`
+            themselves and stage other schemes on the local disk, uploading each backup
+            with a commit marker; docs/callbacks.md, "Object stores"). Every process must
+            see the same directory. It must not be shared with other runs or other callbacks.
         save_freq: "epoch" (after every epoch), an integer N (every N training batches,
             counted across epochs), or False (never automatically; call `save`).
         double_checkpoint: accepted for Keras compatibility; keeping at least 2 backups
@@ -239,19 +240,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             backup_dir = os.path.abspath(backup_dir.removeprefix("file://"))
         self._engine_module = engines.engine_module(keras.backend.backend())
         if not self._engine_module.supports(backup_dir):
-            writes = getattr(self._engine_module, "WRITES", None) or (
-                "local paths and gs:// URLs"
-                + (
-                    " (and the schemes tf.io.gfile has)"
-                    if keras.backend.backend() == "tensorflow"
-                    else ""
-                )
-            )
             raise ValueError(
                 f"BackupAndRestore stores training state through "
                 f"{self._engine_module.NAME}, which cannot write {backup_dir!r}: it writes "
-                f"{writes}. Received: backup_dir={backup_dir!r}. Use a local directory or a "
-                "gs:// bucket."
+                f"{self._engine_module.WRITES}. Received: backup_dir={backup_dir!r}. Use a local "
+                "directory or a URL whose fsspec package is installed (s3:// needs "
+                "`pip install s3fs`)."
             )
         self.backup_dir = backup_dir
         self.save_freq = save_freq
@@ -498,8 +492,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             if previous is not None:
                 with contextlib.suppress(Exception):
                     previous.close()
-            self._engine = self._engine_module.Engine(
-                self.backup_dir, self.max_to_keep, asynchronous=self.save_on_background
+            self._engine = engines.open_engine(
+                self._engine_module,
+                self.backup_dir,
+                self.max_to_keep,
+                asynchronous=self.save_on_background,
             )
             _OPEN[self.backup_dir] = self._engine
             _wait_at_exit()
@@ -802,6 +799,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             other = f"keras_accel 0.1's npz backups ({', '.join(old[:3])})"
         elif self._engine_module.NAME != "orbax" and any(name.isdigit() for name in listed):
             other = "Orbax checkpoints (numbered directories: written on KERAS_BACKEND=jax)"
+        elif self._engine_module.NAME != "orbax" and _staged(listed, "orbax"):
+            other = "Orbax checkpoints (orbax-<step> prefixes: written on KERAS_BACKEND=jax)"
+        elif self._engine_module.NAME != "tf.train" and _staged(listed, "tf"):
+            other = "tf.train checkpoints (tf-<step> prefixes: written on KERAS_BACKEND=tensorflow)"
         elif self._engine_module.NAME != "tf.train" and "checkpoint" in listed:
             other = "tf.train checkpoints (written on KERAS_BACKEND=tensorflow)"
         elif self._engine_module.NAME != "torch.distributed.checkpoint" and any(
@@ -1017,6 +1018,11 @@ def _on_a_stack(ref: weakref.ref) -> bool:
                 return True
             frame = frame.f_back
     return False
+
+
+def _staged(names: set[str], tag: str) -> bool:
+    """Whether `names` hold staged checkpoints `<tag>-<step>` (keras_accel.state.staged)."""
+    return any(name.startswith(f"{tag}-") and name[len(tag) + 1 :].isdigit() for name in names)
 
 
 def _optional_rate(optimizer) -> float | None:

@@ -58,12 +58,18 @@ def local_path(path: str) -> str:
 
 
 def _fs(path: str):
-    """`(filesystem, path within it)`; a clear error for a protocol nothing serves."""
+    """`(filesystem, path within it)`; a clear error for a protocol nothing serves.
+
+    Object stores' file systems (s3fs, gcsfs) cache the listings they read, for the life of
+    the process; what another process wrote since (a peer's checkpoint, a removed one) would
+    be missed, so every call here reads the store afresh."""
     path = os.fspath(path)
     if not is_remote(path):
         return None, local_path(path)
     try:
-        return fsspec.core.url_to_fs(path)
+        fs, inner = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache()
+        return fs, inner
     except (ImportError, ValueError) as error:
         kind = scheme(path)
         package = PROTOCOL_PACKAGES.get(kind)

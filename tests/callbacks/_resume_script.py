@@ -14,6 +14,8 @@ Options:
   in the order given (always wired enc -> bn -> relu -> drop -> head); the weights file is
   then keyed by variable path ("/" written as "|");
 - `save_freq=epoch` (or a number of batches; default 3);
+- `backup_root=URL`: keep the backup in URL/RUN_NAME.backup (an s3:// bucket) instead of
+  WORKDIR;
 - `raise_after=E`: a RuntimeError out of `on_epoch_end` of epoch E, after BackupAndRestore
   handed that epoch's backup to the engine: the exception ends `fit` (Keras then skips
   `on_train_end`) and the process, uncaught.
@@ -41,6 +43,7 @@ from keras_accel.callbacks import (  # noqa: E402
     LearningRateScheduler,
 )
 from keras_accel.schedules import PiecewiseConstant  # noqa: E402
+from keras_accel.state import files  # noqa: E402
 
 EPOCHS = 3
 BATCH = 16
@@ -140,7 +143,10 @@ def main():
             update_freq="step",
         ),
         History(path=os.path.join(workdir, f"{name}.history.json"), per_step=True),
-        BackupAndRestore(os.path.join(workdir, f"{name}.backup"), save_freq=save_freq),
+        BackupAndRestore(
+            files.join(options.get("backup_root", workdir), f"{name}.backup"),
+            save_freq=save_freq,
+        ),
         RecordEpochs(os.path.join(workdir, f"{name}.epochs")),
     ]
     if kill_at:

@@ -93,6 +93,34 @@ def test_killed_run_resumes_exactly(tmp_path, backend):
     assert not (tmp_path / "B.backup").exists()  # Deleted once training completed.
 
 
+@pytest.mark.slow
+def test_killed_run_with_its_backup_on_s3_resumes_exactly(tmp_path, s3_bucket, backend):
+    """The same kill on a bucket of a local S3 server (moto): Orbax and tf.train stage each
+    save locally and upload it, DCP writes through s3fs. The killed save is either
+    committed (its marker) or named interrupted and removed; the end is the same."""
+    from keras_accel.state import files
+
+    root = f"backup_root={s3_bucket}"
+    uninterrupted = _start(tmp_path, "A")
+    killed = _start(tmp_path, "B", "1:4", root)
+    code, output = _finish(killed)
+    assert code == -signal.SIGKILL, output
+    backups = files.listdir(f"{s3_bucket}/B.backup")
+    assert {"orbax-9", "tf-9", "dcp-9"} & set(backups), backups
+    resumed = _start(tmp_path, "B", root)
+    code, output = _finish(uninterrupted)
+    assert code == 0, output
+    code, output = _finish(resumed)
+    assert code == 0, output
+    assert "stale lock" in output
+    a, b = np.load(tmp_path / "A.weights.npz"), np.load(tmp_path / "B.weights.npz")
+    assert a.files == b.files
+    for key in a.files:
+        np.testing.assert_allclose(b[key], a[key], atol=1e-6, rtol=0, err_msg=key)
+    assert int(b["iterations"]) == EPOCHS * STEPS_PER_EPOCH
+    assert not files.exists(f"{s3_bucket}/B.backup")  # Deleted once training completed.
+
+
 NAMED = "named=enc,bn,drop,head"
 
 

@@ -34,6 +34,11 @@ An engine opened on a directory answers:
 - `interrupted`: the numbers of saves found uncommitted when it opened (a process killed
   while writing them), whose leftovers it removes; never listed by `steps()`;
 - `directory`, `name`, and `supports(path)` for the paths it can write.
+
+Orbax and tf.train write some schemes themselves (`native(path)`: local paths, gs://); at
+other URLs (s3://) `open_engine` wraps them in `keras_accel.state.staged`, which saves into
+a local staging directory and uploads each step with a commit marker written last. For
+that their engines also answer `step_entries(step)`, and their modules name `STAGED_TAG`.
 """
 
 from __future__ import annotations
@@ -56,5 +61,14 @@ def engine_module(backend: str):
     return importlib.import_module(f"keras_accel.state.engines.{name}")
 
 
-def open_engine(backend: str, directory: str, max_to_keep: int, asynchronous: bool):
-    return engine_module(backend).Engine(directory, max_to_keep, asynchronous)
+def open_engine(backend, directory: str, max_to_keep: int, asynchronous: bool):
+    """An engine on `directory` for a backend (or an engine module): the module's own where
+    it writes that scheme itself, else one staged through the local disk and uploaded with
+    fsspec (`keras_accel.state.staged`: Orbax and tf.train on s3://)."""
+    module = engine_module(backend) if isinstance(backend, str) else backend
+    native = getattr(module, "native", None)
+    if native is not None and not native(directory):
+        from keras_accel.state import staged
+
+        return staged.Engine(module, directory, max_to_keep, asynchronous)
+    return module.Engine(directory, max_to_keep, asynchronous)

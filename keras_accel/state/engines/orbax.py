@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 
 import jax
 
@@ -17,17 +17,25 @@ except ImportError as error:  # pragma: no cover - exercised on installs without
         '`pip install "keras-accel[jax]"`).'
     ) from error
 
-from keras_accel.state import files
+from keras_accel.state import files, staged
 
 NAME = "orbax"
+STAGED_TAG = "orbax"  # Checkpoint N at a URL Orbax cannot write: `<backup_dir>/orbax-N/`.
+WRITES = "local paths and gs:// itself, and through a local staging directory any URL fsspec has"
 STATE, META = "state", "meta"
 # Orbax writes step N into `N.orbax-checkpoint-tmp...` and renames it when committed.
-_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp[^/]*")
+_COMMITTED = "commit_success.txt"  # Orbax's commit marker on object stores.
+
+
+def native(path: str) -> bool:
+    # Orbax writes through etils.epath and tensorstore: local paths and gs://.
+    return files.scheme(path) in ("", "file", "gs")
 
 
 def supports(path: str) -> bool:
-    # Orbax writes through etils.epath and tensorstore: local paths and gs://.
-    return files.scheme(path) in ("", "file", "gs")
+    # Other schemes (s3://) are staged locally and uploaded (keras_accel.state.staged).
+    return native(path) or staged.supports(path)
 
 
 def _key(key: str) -> str:
@@ -35,12 +43,23 @@ def _key(key: str) -> str:
     return key.replace("/", "|")
 
 
-def _interrupted(directory: str) -> list[int]:
+def _interrupted(directory: str) -> dict[int, str]:
+    """{step: the leftover's name} for the saves a kill interrupted in `directory`.
+
+    Locally Orbax writes step N into `N.orbax-checkpoint-tmp...` and renames it when
+    committed. On an object store (gs://), where there is no rename, it writes `N/` in place
+    and commits it with `N/commit_success.txt`, written last: a numbered prefix without it
+    was never committed."""
     try:
         names = files.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted({int(m.group(1)) for m in map(_TMP.match, names) if m})
+        return {}
+    found = {int(m.group(1)): m.group(0) for m in map(_TMP.match, names) if m}
+    if files.is_remote(directory):
+        for name in names:
+            if name.isdigit() and not files.exists(files.join(directory, name, _COMMITTED)):
+                found[int(name)] = name
+    return dict(sorted(found.items()))
 
 
 class Engine:
@@ -49,14 +68,16 @@ class Engine:
     def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
         self.directory = files.local_path(directory)
         # Saves a kill interrupted, found before the manager removes their leftovers.
-        self.interrupted = _interrupted(self.directory)
-        if self.interrupted and jax.process_index() == 0 and not files.is_remote(directory):
+        leftovers = _interrupted(self.directory)
+        self.interrupted = sorted(leftovers)
+        if leftovers and jax.process_index() == 0:
             # The leftovers are removed before the manager exists: Orbax's own cleanup runs
             # in a thread that may not have finished when a caller (or the user) looks, and
             # removing them beside it made that thread fail the next save (FileNotFoundError).
-            for name in files.listdir(self.directory):
-                if _TMP.match(name):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            # On gs:// nothing of Orbax's removes an uncommitted step at all.
+            for name in leftovers.values():
+                with contextlib.suppress(FileNotFoundError):
+                    files.rmtree(files.join(self.directory, name))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=asynchronous,
@@ -85,6 +106,10 @@ class Engine:
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
+
+    def step_entries(self, step: int) -> list[str]:
+        """The names in the directory that checkpoint `step` wrote (for staged uploads)."""
+        return [str(step)]
 
     def files(self, step: int) -> tuple[str, str]:
         """(the file holding the arrays, the record) of checkpoint `step`: Orbax writes the

@@ -9,11 +9,16 @@ import tempfile
 
 import tensorflow as tf
 
-from keras_accel.state import files
+from keras_accel.state import files, staged
 from keras_accel.utils import process
 
 NAME = "tf.train"
 PREFIX = "ckpt"
+STAGED_TAG = "tf"  # Checkpoint N at a URL tf.io.gfile cannot write: `<backup_dir>/tf-N/`.
+WRITES = (
+    "local paths, gs:// and the schemes tf.io.gfile has itself, and through a local staging "
+    "directory any URL fsspec has"
+)
 _META_KEYS = ("meta/.ATTRIBUTES/py_state", "meta/.ATTRIBUTES/VARIABLE_VALUE")  # New, old.
 
 
@@ -41,12 +46,18 @@ class _Meta(tf.train.experimental.PythonState):
 
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
 _TEMP = re.compile(rf"^{PREFIX}-(\d+)_temp")
+_DATA = re.compile(rf"^{PREFIX}-(\d+)\.data-")
 
 
-def supports(path: str) -> bool:
+def native(path: str) -> bool:
     # tf.io.gfile: local paths, gs://, and whatever file systems TensorFlow has registered.
     kind = files.scheme(path)
     return kind in ("", "file") or kind in _gfile_schemes()
+
+
+def supports(path: str) -> bool:
+    # Other schemes (s3://) are staged locally and uploaded (keras_accel.state.staged).
+    return native(path) or staged.supports(path)
 
 
 def _gfile_schemes() -> set[str]:
@@ -62,15 +73,18 @@ class Engine:
 
     def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
         self.directory = files.local_path(directory)
-        # A save that a kill interrupted leaves `ckpt-N_temp`: never listed as a checkpoint
-        # (the state file names complete ones only), removed when a run starts here.
-        self.interrupted = []  # Those saves' numbers, as Orbax's engine reports them.
-        for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*_temp")):
-            match = _TEMP.match(os.path.basename(path))
-            if match:
-                self.interrupted.append(int(match.group(1)))
-            _remove(path)
-        self.interrupted.sort()
+        # A save that a kill interrupted leaves `ckpt-N_temp` (the shards, before TensorFlow
+        # merges them), or, killed while merging, `ckpt-N.data-*` without `ckpt-N.index`
+        # (written last): never listed as a checkpoint (the state file names complete ones
+        # only), removed when a run starts here; on object stores (gs://) alike.
+        interrupted = set()
+        for path in tf.io.gfile.glob(os.path.join(self.directory, f"{PREFIX}-*")):
+            name = os.path.basename(path)
+            temp, data = _TEMP.match(name), _DATA.match(name)
+            if temp or (data and not tf.io.gfile.exists(self._path(int(data.group(1))) + ".index")):
+                interrupted.add(int((temp or data).group(1)))
+                _remove(path)
+        self.interrupted = sorted(interrupted)  # Those saves' numbers, as Orbax's engine reports.
         self.max_to_keep = max_to_keep
         # Under a multi-worker strategy every worker saves (reading a variable that is synced
         # on read is a collective), but only the chief into `directory`: the others write a
@@ -107,6 +121,10 @@ class Engine:
 
     def path(self, step: int) -> str:
         return self._path(step)
+
+    def step_entries(self, step: int) -> list[str]:
+        """The names in the directory that checkpoint `step` wrote (for staged uploads)."""
+        return sorted(os.path.basename(p) for p in tf.io.gfile.glob(f"{self._path(step)}.*"))
 
     def files(self, step: int) -> tuple[str, str]:
         """(the arrays, the index that holds the record) of checkpoint `step`."""

@@ -1,0 +1,257 @@
+"""Checkpoints on the object stores an engine cannot write itself (Orbax and tf.train on
+`s3://`, and any other scheme fsspec has), staged on the local disk and uploaded.
+
+Layout: checkpoint `N` is the prefix `<backup_dir>/<tag>-N/` (`orbax-N`, `tf-N`) holding the
+files the engine wrote for it in a local directory, under the same relative names, and the
+commit marker `<tag>-N/COMMITTED`, written last.
+
+- **Saving.** The engine writes the step into a local staging directory (a tempdir of this
+  process), synchronously: for the models a host trains this is the device-to-host copy and a
+  local write, and it leaves files that no longer change. Their upload then runs in a thread
+  of this engine while training goes on; once every file is in the bucket, the marker (the
+  list of files and their sizes) is written in one request. One save is in flight at a time:
+  the next one first waits for the upload before it.
+- **Atomic commit.** Only prefixes with their marker are listed by `steps()`. A process
+  killed while uploading leaves a prefix without one: found when an engine opens the
+  directory (`interrupted`) and removed by the chief. Deleting a checkpoint removes its
+  marker first, so a deletion that a kill interrupts leaves nothing that looks complete.
+- **Rotation.** Once a step is committed, the chief removes the oldest beyond `max_to_keep`,
+  whole prefixes. The staging directory keeps one step (the engine's own rotation).
+- **Restoring.** The step's objects are downloaded into a local tempdir in the engine's
+  layout, and an engine opened there reads them (the record, then the arrays).
+- **Processes.** tf.train's chief writes the checkpoint (the other workers write scratch
+  copies, as on a local path) and uploads it. Orbax shards a save over the processes through
+  one directory they all see, which per-process staging directories are not: several JAX
+  processes are refused with a clear error, pointing at gs:// or a shared file system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+
+from keras_accel.state import files
+from keras_accel.utils import process
+
+MARKER = "COMMITTED"
+
+
+def supports(path: str) -> bool:
+    """Whether fsspec has a file system for `path`'s scheme (packages such as s3fs present)."""
+    import fsspec
+
+    kind = files.scheme(path)
+    if kind not in fsspec.available_protocols():
+        return False
+    try:
+        fsspec.get_filesystem_class(kind)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+class Engine:
+    """An engine module's checkpoints at a URL it cannot write, through a staging directory.
+
+    `module` is the engine module (`orbax`, `tf_train`): its `Engine` writes and reads local
+    directories, its `STAGED_TAG` names the prefixes, and its engines' `step_entries(step)`
+    name what one step wrote in their directory.
+    """
+
+    def __init__(self, module, directory: str, max_to_keep: int, asynchronous: bool):
+        if module.NAME == "orbax" and process.num_processes() > 1:
+            raise ValueError(
+                f"BackupAndRestore on KERAS_BACKEND=jax writes {directory!r} by staging each "
+                "save on the local disk and uploading it, which works in one process only: "
+                "Orbax writes every process's shards into one directory that all of them see. "
+                f"Received: backup_dir={directory!r} with {process.num_processes()} processes. "
+                "Use a gs:// bucket (Orbax writes it itself) or a shared file system."
+            )
+        self.module = module
+        self.name = module.NAME
+        self.directory = directory.rstrip("/")
+        self.max_to_keep = max_to_keep
+        self.asynchronous = asynchronous
+        self._tag = module.STAGED_TAG
+        self._number = re.compile(rf"^{re.escape(self._tag)}-(\d+)$")
+        self._staging = tempfile.mkdtemp(prefix="keras_accel-staging-")
+        # The staging engine keeps one step: the upload of the one before it is done before
+        # the next save begins.
+        self._local = module.Engine(self._staging, 1, asynchronous=False)
+        self._upload: tuple[int, threading.Thread, list] | None = None
+        self._fetched: dict[int, tuple[str, object]] = {}  # step -> (tempdir, reader engine)
+        # Saves a kill interrupted: a prefix without its marker. The chief removes them.
+        self.interrupted = sorted(step for step, done in self._listed().items() if not done)
+        if self.interrupted and process.is_chief():
+            for step in self.interrupted:
+                _remove_tree(self.path(step))
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, variables: dict, meta: dict) -> None:
+        self.wait()
+        self._local.save(step, variables, meta)
+        self._local.wait()
+        if not process.is_chief():
+            return  # tf.train's other workers wrote a scratch copy; the chief uploads.
+        entries = self._local.step_entries(step)
+        if not self.asynchronous:
+            self._commit(step, entries)
+            return
+        failure: list = []
+
+        def upload():
+            try:
+                self._commit(step, entries)
+            except BaseException as error:  # Raised by `wait`, in the training thread.
+                failure.append(error)
+
+        thread = threading.Thread(target=upload, name="keras_accel-upload")
+        thread.start()
+        self._upload = (step, thread, failure)
+
+    def _commit(self, step: int, entries: list[str]) -> None:
+        """Upload step `step`'s local files, then its marker; on failure remove what was sent."""
+        target = self.path(step)
+        try:
+            sizes = {}
+            for entry in entries:
+                for relative in _walk(self._staging, entry):
+                    local = os.path.join(self._staging, relative)
+                    files.upload(local, files.join(target, *relative.split(os.sep)))
+                    sizes["/".join(relative.split(os.sep))] = os.path.getsize(local)
+            files.write_atomic(files.join(target, MARKER), json.dumps({"files": sizes}))
+        except BaseException:
+            _remove_tree(target)
+            raise
+        self._rotate()
+
+    def wait(self) -> None:
+        upload, self._upload = self._upload, None
+        if upload is None:
+            return
+        _, thread, failure = upload
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    def _rotate(self) -> None:
+        steps = self._steps()
+        for step in steps[: max(0, len(steps) - self.max_to_keep)]:
+            self._delete(step)
+
+    # ------------------------------------------------------------------ listing
+    def _listed(self) -> dict[int, bool]:
+        """{step: committed} for every `<tag>-N` prefix in the directory."""
+        try:
+            names = files.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found = {}
+        for name in names:
+            match = self._number.match(name)
+            if match:
+                step = int(match.group(1))
+                found[step] = files.exists(files.join(self.path(step), MARKER))
+        return found
+
+    def _steps(self) -> list[int]:
+        return sorted(step for step, done in self._listed().items() if done)
+
+    def steps(self) -> list[int]:
+        self.wait()  # A save in flight is listed once committed.
+        return self._steps()[-self.max_to_keep :]
+
+    def has(self, step: int) -> bool:
+        return step in self.steps()
+
+    def path(self, step: int) -> str:
+        return files.join(self.directory, f"{self._tag}-{int(step)}")
+
+    def files(self, step: int) -> tuple[str, str]:
+        """(the largest file of checkpoint `step`, its commit marker)."""
+        path = self.path(step)
+        marker = files.join(path, MARKER)
+        try:
+            sizes = json.loads(files.read_text(marker))["files"]
+        except (OSError, ValueError, KeyError):
+            return path, marker
+        largest = max(sizes, key=sizes.get) if sizes else None
+        return (files.join(path, *largest.split("/")) if largest else path), marker
+
+    # ------------------------------------------------------------------ reading
+    def _reader(self, step: int):
+        """A local engine on a download of checkpoint `step` (kept until `close`)."""
+        if step not in self._fetched:
+            local = tempfile.mkdtemp(prefix="keras_accel-restore-")
+            try:
+                path = self.path(step)
+                listed = json.loads(files.read_text(files.join(path, MARKER)))["files"]
+                for relative in listed:
+                    target = os.path.join(local, *relative.split("/"))
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    with files.local_copy(files.join(path, relative)) as copy:
+                        shutil.copyfile(copy, target)
+                reader = self.module.Engine(local, 1, asynchronous=False)
+            except BaseException:
+                shutil.rmtree(local, ignore_errors=True)
+                raise
+            self._fetched[step] = (local, reader)
+        return self._fetched[step][1]
+
+    def read_meta(self, step: int) -> dict:
+        return self._reader(step).read_meta(step)
+
+    def restore(self, step: int, variables: dict, manifest: dict) -> None:
+        self._reader(step).restore(step, variables, manifest)
+
+    # ------------------------------------------------------------------ deleting
+    def _delete(self, step: int) -> None:
+        path = self.path(step)
+        marker = files.join(path, MARKER)
+        if files.exists(marker):
+            files.remove(marker)  # No longer listed, whatever happens next.
+        _remove_tree(path)
+
+    def delete(self, step: int) -> None:
+        """Every process calls this; the chief deletes."""
+        self.wait()
+        if process.is_chief():
+            self._delete(step)
+
+    def delete_all(self) -> None:
+        self.wait()
+        if process.is_chief():
+            for step in sorted(self._listed()):
+                self._delete(step)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            for local, reader in self._fetched.values():
+                reader.close()
+                shutil.rmtree(local, ignore_errors=True)
+            self._fetched.clear()
+            self._local.close()
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _walk(root: str, entry: str) -> list[str]:
+    """The files under `root/entry` (itself, if a file), relative to `root`, sorted."""
+    top = os.path.join(root, entry)
+    if not os.path.isdir(top):
+        return [entry]
+    found = []
+    for folder, _, names in os.walk(top):
+        found += [os.path.relpath(os.path.join(folder, name), root) for name in names]
+    return sorted(found)
+
+
+def _remove_tree(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # Gone already, or never more than a prefix.
+        files.rmtree(path)
