@@ -6,11 +6,11 @@ files the engine wrote for it in a local directory, under the same relative name
 commit marker `<tag>-N/COMMITTED`, written last.
 
 - **Saving.** The engine writes the step into a local staging directory (a tempdir of this
-  process), synchronously: for the models a host trains this is the device-to-host copy and a
-  local write, and it leaves files that no longer change. Their upload then runs in a thread
-  of this engine while training goes on; once every file is in the bucket, the marker (the
-  list of files and their sizes) is written in one request. One save is in flight at a time:
-  the next one first waits for the upload before it.
+  process) as it writes a local path: the state leaves the devices before `save` returns,
+  the files are written in the background. A thread of this engine waits for them, uploads
+  them while training goes on and, once every file is in the bucket, writes the marker (the
+  list of files and their sizes) in one request. One save is in flight at a time: the next
+  one first waits for the upload before it.
 - **Atomic commit.** Only prefixes with their marker are listed by `steps()`. A process
   killed while uploading leaves a prefix without one: found when an engine opens the
   directory (`interrupted`) and removed by the chief. Deleting a checkpoint removes its
@@ -81,8 +81,8 @@ class Engine:
         self._number = re.compile(rf"^{re.escape(self._tag)}-(\d+)$")
         self._staging = tempfile.mkdtemp(prefix="keras_accel-staging-")
         # The staging engine keeps one step: the upload of the one before it is done before
-        # the next save begins.
-        self._local = module.Engine(self._staging, 1, asynchronous=False)
+        # the next save begins (and the staging engine is used by one thread at a time).
+        self._local = module.Engine(self._staging, 1, asynchronous=asynchronous)
         self._upload: tuple[int, threading.Thread, list] | None = None
         self._fetched: dict[int, tuple[str, object]] = {}  # step -> (tempdir, reader engine)
         # Saves a kill interrupted: a prefix without its marker. The chief removes them.
@@ -95,18 +95,20 @@ class Engine:
     def save(self, step: int, variables: dict, meta: dict) -> None:
         self.wait()
         self._local.save(step, variables, meta)
-        self._local.wait()
-        if not process.is_chief():
-            return  # tf.train's other workers wrote a scratch copy; the chief uploads.
-        entries = self._local.step_entries(step)
         if not self.asynchronous:
-            self._commit(step, entries)
+            self._local.wait()
+            if process.is_chief():
+                self._commit(step, self._local.step_entries(step))
             return
         failure: list = []
 
         def upload():
             try:
-                self._commit(step, entries)
+                # The engine's own background write first (the state left the devices
+                # before `save` returned), then the upload, off the training thread.
+                self._local.wait()
+                if process.is_chief():  # tf.train's other workers write a scratch copy.
+                    self._commit(step, self._local.step_entries(step))
             except BaseException as error:  # Raised by `wait`, in the training thread.
                 failure.append(error)
 
