@@ -143,18 +143,20 @@ def test_find_batch_size_command(backend, tmp_path, capsys):
     assert found["first_oom"] is None and found["samples_per_second"] > 0
 
 
-def test_bench_writes_its_outputs_to_a_bucket(backend, s3_bucket, capsys):
-    """--json/--csv/--plot to s3:// on a real S3 server (moto's, on 127.0.0.1), and nothing
-    in the working directory. A timeout that no child meets keeps it cheap: the rows are
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_bench_writes_its_outputs_to_a_bucket(backend, bucket, request, capsys):
+    """--json/--csv/--plot to s3:// and gs:// on local servers (tests/object_stores.py), and
+    nothing in the working directory. A timeout that no child meets keeps it cheap: the rows are
     TIMEOUT (exit status 1), and the outputs are written all the same. A missing bucket is
     refused before the sweep."""
+    root = request.getfixturevalue(bucket)
     before = set(os.listdir("."))
-    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}/b.json"
+    missing = f"{files.scheme(root)}://keras-accel-missing-{uuid.uuid4().hex[:8]}/b.json"
     assert main(["bench", "--backends", backend, "--json", missing, "--no-progress"]) == 2
     captured = capsys.readouterr()
     assert f"--json {missing!r} cannot be written" in captured.err and "bucket" in captured.err
     assert captured.out == ""  # Nothing measured.
-    run = f"{s3_bucket}/bench"
+    run = f"{root}/bench"
     status = main([
         "bench", "--model", "mlp", "--width", "0.05", "--batch-sizes", "16,32",
         "--samples", "64", "--epochs", "1", "--backends", backend, "--timeout", "0.001",
@@ -167,7 +169,7 @@ def test_bench_writes_its_outputs_to_a_bucket(backend, s3_bucket, capsys):
     assert [(r["batch_size"], r["status"]) for r in rows] == [(16, "timeout"), (32, "timeout")]
     assert [r["status"] for r in csv.DictReader(io.StringIO(files.read_text(f"{run}/b.csv")))]
     assert files.read_bytes(f"{run}/b.png")[:4] == b"\x89PNG"
-    assert set(os.listdir(".")) == before  # No local ./s3:/... tree.
+    assert set(os.listdir(".")) == before  # No local ./s3:/... or ./gs:/... tree.
 
 
 def test_bench_refuses_an_output_it_cannot_write_before_measuring(backend, tmp_path, capsys):

@@ -125,11 +125,11 @@ def test_plot_writes_a_png(report, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("store", ["memory", "s3"])
+@pytest.mark.parametrize("store", ["memory", "s3", "gs"])
 def test_json_csv_and_plot_to_urls(report, store, request):
-    """Every output to a URL: memory://, and a real S3 server (moto's, on 127.0.0.1)."""
-    if store == "s3":
-        root = request.getfixturevalue("s3_bucket")
+    """Every output to a URL: memory://, and local S3 and GCS servers (tests/object_stores.py)."""
+    if store != "memory":
+        root = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[store])
     else:
         root = f"memory://bench-{uuid.uuid4().hex[:8]}"
     report.to_json(f"{root}/run/bench.json")

@@ -134,30 +134,30 @@ def test_rotation_counts_older_matching_files(tmp_path):
 
 
 @pytest.mark.torch
-def test_files_and_rotation_on_s3(s3_bucket):
-    """On a real S3 server (moto's): each epoch's file is an object, rotation keeps the
-    newest two (listed and dated by the store), the newest loads back to the model's
-    weights; a missing bucket is the store's error, never a bucket made for it."""
-    import s3fs
-
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_files_and_rotation_on_object_stores(bucket, request):
+    """On local S3 and GCS servers (tests/object_stores.py): each epoch's file is an object,
+    rotation keeps the newest two (listed and dated by the store), the newest loads back to
+    the model's weights; a missing bucket is the store's error, never a bucket made for it."""
+    root = request.getfixturevalue(bucket)
     model = compiled_mlp()
     model.set_weights([w + 0.5 for w in model.get_weights()])  # Unlike a fresh model's.
     checkpoint = ModelCheckpoint(
-        f"{s3_bucket}/ckpt/e{{epoch}}.weights.h5", save_weights_only=True, max_to_keep=2
+        f"{root}/ckpt/e{{epoch}}.weights.h5", save_weights_only=True, max_to_keep=2
     )
     checkpoint.set_model(model)
     for epoch in range(3):  # Files e1, e2, e3.
         checkpoint.on_epoch_begin(epoch)
         checkpoint.on_epoch_end(epoch, {"loss": 1.0})
-    assert files.listdir(f"{s3_bucket}/ckpt") == ["e2.weights.h5", "e3.weights.h5"]
+    assert files.listdir(f"{root}/ckpt") == ["e2.weights.h5", "e3.weights.h5"]
     restored = compiled_mlp()
-    with files.local_copy(f"{s3_bucket}/ckpt/e3.weights.h5") as local:
+    with files.local_copy(f"{root}/ckpt/e3.weights.h5") as local:
         restored.load_weights(local)
     assert_weights_close(restored.get_weights(), model.get_weights(), atol=0)
-    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}"
+    missing = f"{files.scheme(root)}://keras-accel-missing-{uuid.uuid4().hex[:8]}"
     with pytest.raises(FileNotFoundError):
         _saving.save(model, f"{missing}/model.keras", weights_only=False)
-    assert not s3fs.S3FileSystem().exists(missing)
+    assert not files.exists(missing)
 
 
 def test_a_crash_while_saving_keeps_the_previous_file(tmp_path, monkeypatch):

@@ -113,26 +113,27 @@ def test_remote_path_and_csv_path(tmp_path):
 
 
 @pytest.mark.torch
-def test_record_csv_and_plot_on_s3(s3_bucket):
-    """On a real S3 server (moto's): the record, its CSV and the plot are objects in the
-    bucket, read back; a missing bucket is the store's error, never a bucket made for it."""
-    import s3fs
-
-    record = History(path=f"{s3_bucket}/run/h.json", csv=True)
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_record_csv_and_plot_on_object_stores(bucket, request):
+    """On local S3 and GCS servers (tests/object_stores.py): the record, its CSV and the plot
+    are objects in the bucket, read back; a missing bucket is the store's error, never a
+    bucket made for it."""
+    root = request.getfixturevalue(bucket)
+    record = History(path=f"{root}/run/h.json", csv=True)
     for epoch in range(2):
         record.finish_epoch(epoch, {"loss": 1.0 / (epoch + 1)})
     record.write()
-    assert History.load(f"{s3_bucket}/run/h.json").history["loss"] == [1.0, 0.5]
-    assert files.read_text(f"{s3_bucket}/run/h.csv").splitlines()[0].startswith("epoch,loss")
+    assert History.load(f"{root}/run/h.json").history["loss"] == [1.0, 0.5]
+    assert files.read_text(f"{root}/run/h.csv").splitlines()[0].startswith("epoch,loss")
     if importlib.util.find_spec("matplotlib") is not None:
-        assert record.plot(f"{s3_bucket}/run/curves.png") == f"{s3_bucket}/run/curves.png"
-        assert files.read_bytes(f"{s3_bucket}/run/curves.png")[:4] == b"\x89PNG"
-    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}"
+        assert record.plot(f"{root}/run/curves.png") == f"{root}/run/curves.png"
+        assert files.read_bytes(f"{root}/run/curves.png")[:4] == b"\x89PNG"
+    missing = f"{files.scheme(root)}://keras-accel-missing-{uuid.uuid4().hex[:8]}"
     lost = History(path=f"{missing}/h.json")
     lost.finish_epoch(0, {"loss": 1.0})
     with pytest.raises(FileNotFoundError):
         lost.write()
-    assert not s3fs.S3FileSystem().exists(missing)
+    assert not files.exists(missing)
 
 
 def test_interrupted_write_keeps_the_last_complete_file(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Output files to local paths, memory:// and a real S3 server (moto's, on 127.0.0.1):
+"""Output files to local paths, memory://, and local S3 and GCS servers (moto's server,
+gcp-storage-emulator; tests/object_stores.py):
 written whole, local parents created, no bucket ever created, bad targets refused up front."""
 
 import uuid
@@ -10,7 +11,7 @@ from keras_accel.state import files, outputs
 pytestmark = pytest.mark.torch  # Storage code, the same on every backend.
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "gs"])
 def root(request, tmp_path):
     if request.param == "local":
         yield str(tmp_path)
@@ -19,8 +20,8 @@ def root(request, tmp_path):
         yield url
         if files.exists(url):
             files.rmtree(url)
-    else:
-        yield request.getfixturevalue("s3_bucket")
+    else:  # A fresh bucket on a local server (tests/object_stores.py).
+        yield request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[request.param])
 
 
 def test_write_and_figures(root):
@@ -56,15 +57,15 @@ def test_a_local_parent_that_is_a_file(tmp_path):
         outputs.check_writable(str(tmp_path / "taken" / "x.json"))
 
 
-def test_bad_urls_are_refused_and_nothing_is_created(s3_bucket):
-    import s3fs
-
-    missing = f"s3://keras-accel-missing-{uuid.uuid4().hex[:8]}"
+@pytest.mark.parametrize("bucket", ["s3_bucket", "gcs_bucket"])
+def test_bad_urls_are_refused_and_nothing_is_created(bucket, request):
+    scheme = request.getfixturevalue(bucket).partition("://")[0]
+    missing = f"{scheme}://keras-accel-missing-{uuid.uuid4().hex[:8]}"
     with pytest.raises(FileNotFoundError, match=r"bucket .* does not exist.*never creates"):
         outputs.check_writable(f"{missing}/run/bench.json")
     with pytest.raises(FileNotFoundError):
         outputs.write(f"{missing}/run/bench.json", "{}")  # The store's own error...
-    assert not s3fs.S3FileSystem().exists(missing)  # ...and no bucket made for it.
+    assert not files.exists(missing)  # ...and no bucket made for it.
     with pytest.raises(ValueError, match="No file system can open"):
         outputs.check_writable("nosuchprotocol://bucket/x.json")
     with pytest.raises(ValueError, match="cannot be empty"):
