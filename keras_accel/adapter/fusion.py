@@ -176,6 +176,10 @@ def install(
     if id(model) not in _USERS:
         patches.set_item(_USERS, id(model), getattr(model, "steps_per_execution", 1))
     patches.set(model, "steps_per_execution", n)
+    if n > 1 and keras.backend.backend() == "torch":
+        from keras_accel.adapter.backends import torch as torch_backend
+
+        torch_backend.quiet_short_groups(patches)
     context = protocol.begin_call(patches, model, kind, epochs=epochs, steps=steps)
     for callback in callbacks or []:
         hook = getattr(callback, "set_run_context", None)

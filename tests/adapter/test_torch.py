@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -176,17 +177,47 @@ def _model(acc):
     return model
 
 
-def test_one_process_runs_one_step_per_call():
+def test_one_process_runs_n_steps_per_call_with_one_step_numbers():
+    """Keras 3.15's torch trainer refuses steps_per_execution > 1; in one process the
+    Accelerator runs N steps per host call, and fit, evaluate and predict give what one step
+    per call gives (plain Keras), also for a last group shorter than N."""
     from keras_accel import Accelerator
 
-    acc = Accelerator(seed=0)
-    assert (acc.strategy_name, acc.num_replicas, acc.num_processes) == ("single", 1, 1)
-    model = _model(acc)
-    x, y = np.ones((10, 4), "float32"), np.ones((10, 2), "float32")
-    history = acc.fit(model, x, y, batch_size=4, epochs=2, verbose=0)
-    assert len(history.history["loss"]) == 2 and model.steps_per_execution == 1
-    with pytest.raises(ValueError, match=r"at most 1 step per call. Received: Accelerator"):
-        Accelerator(steps_per_execution=4).fit(_model(acc), x, y, verbose=0)
+    x = np.random.RandomState(0).randn(40, 4).astype("float32")
+    y = np.random.RandomState(1).randn(40, 2).astype("float32")
+    results = {}
+    for n in (1, 4, "auto"):
+        acc = Accelerator(seed=0, steps_per_execution=n)
+        assert (acc.strategy_name, acc.num_replicas, acc.num_processes) == ("single", 1, 1)
+        keras.utils.set_random_seed(0)
+        model = _model(acc)
+        batches = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs, seen=batches: seen.append(batch)
+        )
+        # 10 batches of 4: groups of 4, 4 and 2 at N=4.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = acc.fit(model, x, y, batch_size=4, epochs=2, verbose=0, callbacks=[record])
+            results[n] = (
+                history.history["loss"],
+                acc.evaluate(model, x, y, batch_size=4, verbose=0),
+                acc.predict(model, x, batch_size=4, verbose=0),
+                model.get_weights(),
+            )
+        # A last group shorter than N is no "ran out of data" (Keras's iterator's words).
+        assert not [w for w in caught if "ran out of data" in str(w.message)]
+        assert model.steps_per_execution == 1  # The user's value is back.
+        if n == 4:
+            # Batch hooks fire once per group, numbered as Keras numbers a group's end.
+            assert batches == [3, 7, 11] * 2
+    for n in (4, "auto"):
+        np.testing.assert_array_equal(results[n][0], results[1][0])
+        assert results[n][1] == results[1][1]
+        np.testing.assert_array_equal(results[n][2], results[1][2])
+        assert results[n][2].shape == (40, 2)
+        for a, b in zip(results[n][3], results[1][3]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_data_parallel_needs_one_process_per_device():

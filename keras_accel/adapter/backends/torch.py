@@ -223,11 +223,13 @@ class Runtime(runtime.Runtime):
     """One process per replica: the call's steps made one training across the process
     group (see the module docstring)."""
 
-    max_steps_per_execution = 1  # Keras's torch trainer runs one step per call (3.15).
-
     def __init__(self, plan: Plan, native=None):
         super().__init__(plan, native)
         self.rank = _rank()
+        # Keras's torch trainer runs one step per call (3.15 refuses `steps_per_execution`
+        # > 1); in one process our step functions run N (`make_function`). Over processes
+        # each step's collectives keep the processes in step, one call each.
+        self.max_steps_per_execution = None if self.num_replicas == 1 else 1
         self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
         # Each process's gradients are averaged (`_averaged_apply`): a sum's is divided.
         self.summed_loss_factor = self.num_replicas
@@ -283,17 +285,31 @@ class Runtime(runtime.Runtime):
         return [SameStart()] if self.num_replicas > 1 else []
 
     def make_function(self, model, kind: str):
-        """Keras's one step per call, never under Keras's own `torch.compile`
-        (`jit_compile=True`): the compiled steps compile themselves (torch_compiled), and
-        Keras's would trace our eager wrappers around them."""
-        if not getattr(model, "jit_compile", False) or kind not in torch_compiled.KINDS:
+        """The call's N steps (`model.steps_per_execution`) one after the other in one host
+        call, where Keras's torch trainer refuses N > 1; with N = 1, Keras's own function,
+        except under `jit_compile=True`, where Keras's `torch.compile` would trace our eager
+        wrappers around the compiled steps (torch_compiled), which compile themselves.
+
+        The steps are Keras's, run as Keras's loop runs them (with no host sync between
+        them: the logs stay tensors), so the numbers are those of N = 1; what changes is
+        that batch hooks fire once per N steps, as on JAX and TensorFlow (`fusion`)."""
+        n = getattr(model, "steps_per_execution", 1) or 1
+        compiled = getattr(model, "jit_compile", False) and kind in torch_compiled.KINDS
+        if n == 1 and not compiled:
             return None
         model_ref = weakref.ref(model)
+        name = f"{kind}_step"
 
-        def one_step_on_data(data):
-            return getattr(model_ref(), f"{kind}_step")(data[0])
+        def steps_on_data(data):
+            step = getattr(model_ref(), name)
+            if kind == "predict":
+                return _concatenated([step(batch) for batch in data])
+            logs = None
+            for batch in data:
+                logs = step(batch)
+            return logs
 
-        return one_step_on_data
+        return steps_on_data
 
     def row_count(self, row_mask):
         import torch
@@ -365,6 +381,36 @@ def _stepping(step, kind: str | None):
         return result
 
     return run
+
+
+# Keras's EpochIterator reads a group of N batches with `__next__` on torch (its other
+# trainers read the iterator inside their step function) and warns "Your input ran out of
+# data" whenever the data ends inside a group: at every known-length epoch whose last group
+# is shorter than N, which is by design (keras.src.trainers.epoch_iterator, 3.15).
+_RAN_OUT = r"Your input ran out of data"
+
+
+def quiet_short_groups(patches) -> None:
+    """For the duration of `patches`: no "ran out of data" warning from Keras's epoch
+    iterator (a fused call's last group; see `_RAN_OUT`)."""
+    warnings.filterwarnings("ignore", message=_RAN_OUT, module=r"keras\.src\.trainers")
+    added = warnings.filters[0]
+
+    def remove():
+        # An "ignore" leaves nothing in the warnings registries: removing it is enough.
+        if added in warnings.filters:
+            warnings.filters.remove(added)
+
+    patches.add(remove)
+
+
+def _concatenated(outputs: list):
+    """N steps' predictions as one group's (Keras's loop appends a call's outputs)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    import torch
+
+    return keras.tree.map_structure(lambda *parts: torch.cat(parts, dim=0), *outputs)
 
 
 def gather_rows(outputs):
