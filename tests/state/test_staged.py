@@ -124,3 +124,12 @@ def test_orbax_names_steps_written_in_place_without_their_commit(s3_bucket):
     ):
         files.write_atomic(f"{s3_bucket}/run/{name}", b"x")
     assert orbax._interrupted(f"{s3_bucket}/run") == {5: "5", 7: "7.orbax-checkpoint-tmp-1"}
+
+
+def test_staged_backups_of_another_backend_are_refused_with_what_they_are(tmp_path, backend):
+    other, wrote = ("tf-3", "tf.train") if backend == "jax" else ("orbax-3", "Orbax")
+    (tmp_path / other).mkdir()
+    (tmp_path / other / "COMMITTED").write_text("{}")
+    x, y = _data()
+    with pytest.raises(RuntimeError, match=rf"holds {wrote} checkpoints \({other[:-2]}-<step>"):
+        _model().fit(x, y, epochs=1, verbose=0, callbacks=[BackupAndRestore(str(tmp_path))])
