@@ -16,7 +16,8 @@ commit marker `<tag>-N/COMMITTED`, written last.
   directory (`interrupted`) and removed by the chief. Deleting a checkpoint removes its
   marker first, so a deletion that a kill interrupts leaves nothing that looks complete.
 - **Rotation.** Once a step is committed, the chief removes the oldest beyond `max_to_keep`,
-  whole prefixes. The staging directory keeps one step (the engine's own rotation).
+  whole prefixes. The staging directory keeps one step (the engine's own rotation); that of
+  a killed process is removed by the next engine opened on the host.
 - **Restoring.** The step's objects are downloaded into a local tempdir in the engine's
   layout, and an engine opened there reads them (the record, then the arrays).
 - **Processes.** tf.train's chief writes the checkpoint (the other workers write scratch
@@ -39,6 +40,7 @@ from keras_accel.state import files
 from keras_accel.utils import process
 
 MARKER = "COMMITTED"
+_STAGING = "keras_accel-staging-"  # + pid: a killed process's directory is found and removed.
 
 
 def supports(path: str) -> bool:
@@ -79,7 +81,8 @@ class Engine:
         self.asynchronous = asynchronous
         self._tag = module.STAGED_TAG
         self._number = re.compile(rf"^{re.escape(self._tag)}-(\d+)$")
-        self._staging = tempfile.mkdtemp(prefix="keras_accel-staging-")
+        _remove_orphans()
+        self._staging = tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-")
         # The staging engine keeps one step: the upload of the one before it is done before
         # the next save begins (and the staging engine is used by one thread at a time).
         self._local = module.Engine(self._staging, 1, asynchronous=asynchronous)
@@ -241,6 +244,27 @@ class Engine:
             self._fetched.clear()
             self._local.close()
             shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _remove_orphans() -> None:
+    """Remove the staging directories of this host's processes that are gone (a SIGKILL
+    skips every cleanup): each holds a step of training state."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(_STAGING) :].split("-", 1)[0]
+            if name.startswith(_STAGING) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # Alive, another user's (PermissionError), or unknowable: keep it.
+        return True
+    return True
 
 
 def _walk(root: str, entry: str) -> list[str]:

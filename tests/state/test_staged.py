@@ -3,6 +3,8 @@ tests/object_stores.py): on s3:// Orbax and tf.train staged through the local di
 uploaded with a commit marker (keras_accel/state/staged.py), DCP through s3fs; saves a kill
 interrupted, named and removed, on s3:// and gs://."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -133,3 +135,29 @@ def test_staged_backups_of_another_backend_are_refused_with_what_they_are(tmp_pa
     x, y = _data()
     with pytest.raises(RuntimeError, match=rf"holds {wrote} checkpoints \({other[:-2]}-<step>"):
         _model().fit(x, y, epochs=1, verbose=0, callbacks=[BackupAndRestore(str(tmp_path))])
+
+
+def test_the_staging_directory_of_a_killed_process_is_removed(backend):
+    if backend == "torch":
+        pytest.skip("DCP writes object stores itself: nothing is staged on torch")
+    import subprocess
+    import sys
+    import tempfile
+    import uuid
+
+    from keras_accel.state import engines
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    orphan = tempfile.mkdtemp(prefix=f"keras_accel-staging-{int(gone.stdout)}-")
+    engine = engines.open_engine(backend, f"memory://staged-{uuid.uuid4().hex[:8]}/run", 1, True)
+    try:
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(engine._staging)  # Its own, of a live process, stays.
+    finally:
+        engine.close()
+    assert not os.path.exists(engine._staging)
