@@ -1,7 +1,7 @@
 """Local object-store servers for the tests: s3:// on moto's server, gs:// on a GCS emulator.
 
 Registered for every test by `pytest_plugins` in tests/conftest.py. Each server listens on
-127.0.0.1 only, on a port the OS picks, once per session (starting one costs about a second);
+127.0.0.1 only, on a port the OS picks, once per session (moto's takes about a second);
 the environment that points the clients at it is set per test and undone after it, so that a
 test that does not ask for a bucket sees the machine's environment unchanged (and the
 suite's guard against leaked variables holds):
@@ -17,6 +17,7 @@ a user's would. Each fixture skips with the install command when its packages ar
 
 import contextlib
 import importlib
+import logging
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ class Server:
 def _require(module: str, what: str):
     """The module, or a skip naming what is missing and how to install it."""
     try:
-        return __import__(module, fromlist=["_"])
+        return importlib.import_module(module)
     except ImportError as error:
         pytest.skip(f"{what} is not installed ({error}); install it with {_INSTALL}")
 
@@ -155,6 +156,11 @@ def _gcs_service():
     port; stopped at the end of the session."""
     _require("gcsfs", "gcsfs (the `remote` extra)")
     emulator = _require("gcp_storage_emulator.server", "gcp-storage-emulator")
+    # The emulator logs each 404 as an error, and a missing object is an ordinary answer (Orbax
+    # and gcsfs probe for objects): such lines would crowd a failing test's captured log.
+    log = logging.getLogger("gcp_storage_emulator")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     server = emulator.create_server("127.0.0.1", 0, in_memory=True)
     server.start()
     try:
@@ -175,6 +181,7 @@ def _gcs_service():
         yield Server("gs", endpoint, env)
     finally:
         server.stop()
+        log.setLevel(level)
 
 
 @pytest.fixture
