@@ -10,6 +10,7 @@ and every pinned distribution that is installed has its pinned version.
 """
 
 import importlib.metadata as metadata
+import os
 import pathlib
 
 import pytest
@@ -22,6 +23,15 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
+
+# .ci/run's other modes install off the pins on purpose: the newest releases
+# (KERAS_ACCEL_CI_LATEST=1), Keras's nightly in place of keras (KERAS_ACCEL_CI_KERAS=nightly).
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KERAS_ACCEL_CI_LATEST", "0") == "1"
+    or bool(os.environ.get("KERAS_ACCEL_CI_KERAS")),
+    reason="CI installed without constraints.txt or with Keras's nightly on purpose "
+    "(KERAS_ACCEL_CI_LATEST / KERAS_ACCEL_CI_KERAS)",
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
