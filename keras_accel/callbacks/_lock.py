@@ -38,8 +38,6 @@ import uuid
 import warnings
 import weakref
 
-import fsspec
-
 from keras_accel.state import files
 from keras_accel.utils import keras_internals
 
@@ -187,13 +185,7 @@ class DirectoryLock:
     def _create(self) -> bool:
         """Write our record as the lock only if there is none: True if it was written."""
         data = json.dumps(self._record()).encode("utf-8")
-        if files.is_remote(self.path):
-            fs, inner = fsspec.core.url_to_fs(self.path)
-            try:
-                fs.pipe_file(inner, data, mode="create")
-            except FileExistsError:
-                return False
-        elif not _create_local(files.local_path(self.path), data):
+        if not files.create_new(self.path, data):
             return False
         self._last_beat = time.monotonic()
         return True
@@ -242,31 +234,3 @@ class DirectoryLock:
         if holder is not None and holder.get("token") == self.token:
             with contextlib.suppress(FileNotFoundError):
                 files.remove(self.path)
-
-
-def _create_local(path: str, data: bytes) -> bool:
-    """Create the local file `path` holding `data`, whole, only if it does not exist."""
-    temp = files.temp_sibling(path)
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            # One step that fails if the name exists: the lock appears whole or not at all.
-            os.link(temp, path)
-        except FileExistsError:
-            return False
-        except OSError:
-            # No hard links on this file system (some network and FUSE mounts): an
-            # exclusive create, whose record a racing reader may briefly see empty.
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        return True
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(temp)

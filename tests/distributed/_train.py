@@ -61,7 +61,12 @@ from keras_accel.state import files  # noqa: E402
 acc = Accelerator(seed=0, devices=args.devices)
 me = acc.process_index
 log = os.path.join(args.workdir, f"writes-{me}.txt")
-for module, name in ((files, "write_atomic"), (files, "upload"), (_saving, "save")):
+for module, name in (
+    (files, "write_atomic"),
+    (files, "create_new"),
+    (files, "upload"),
+    (_saving, "save"),
+):
     original = getattr(module, name)
 
     def logged(*call, _original=original, _name=name, **options):
