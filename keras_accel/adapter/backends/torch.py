@@ -350,7 +350,13 @@ class Runtime(runtime.Runtime):
             )
         if isinstance(batches, IterableBatches):
             return stream(batches, carry_mask=carry_mask, rows=rows)
-        if isinstance(batches, (ArrayBatches, PyDatasetBatches)):
+        if isinstance(batches, ArrayBatches):
+            # In-memory arrays: gathered and converted in the trainer's thread (torch_feed).
+            from keras_accel.data.torch_feed import TorchBatches
+
+            return TorchBatches(StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows))
+        if isinstance(batches, PyDatasetBatches):
+            # A user's PyDataset: read in Keras's worker thread, as Keras reads it.
             return StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
         # tf.data inputs: Keras's torch trainer reads them as torch tensors.
         from keras_accel.data import tfdata
