@@ -21,9 +21,14 @@ commit marker `<tag>-N/COMMITTED`, written last.
 - **Restoring.** The step's objects are downloaded into a local tempdir in the engine's
   layout, and an engine opened there reads them (the record, then the arrays).
 - **Processes.** tf.train's chief writes the checkpoint (the other workers write scratch
-  copies, as on a local path) and uploads it. Orbax shards a save over the processes through
-  one directory they all see, which per-process staging directories are not: several JAX
-  processes are refused with a clear error, pointing at gs:// or a shared file system.
+  copies, as on a local path) and uploads it. Orbax shards a save over the processes, and
+  its primary host writes the metadata into a directory all of them see, which staging
+  directories are not: there each process is its own primary host (`per_process`, each
+  shard a file of its own), uploads its files under `<tag>-N/process-K/` (the chief: under
+  `<tag>-N/`) and tells the chief through the JAX coordination service what it sent; the
+  chief writes the marker once every process has. A restore downloads the step whole into
+  one directory: the chief's files, then each other process's that the chief has not
+  (its shards; the metadata every process wrote is the chief's).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from keras_accel.state import files
 from keras_accel.utils import process
 
 MARKER = "COMMITTED"
+_PROCESS = re.compile(r"^process-\d+$")  # A process's own files in a step's prefix.
+_SAVES: dict[str, int] = {}  # A step's prefix -> how many times this process saved it.
+_WAIT_S = 600  # How long the chief waits for another process's upload: a dead one fails it.
 _STAGING = "keras_accel-staging-"  # + pid: a killed process's directory is found and removed.
 
 
@@ -66,14 +74,6 @@ class Engine:
     """
 
     def __init__(self, module, directory: str, max_to_keep: int, asynchronous: bool):
-        if module.NAME == "orbax" and process.num_processes() > 1:
-            raise ValueError(
-                f"BackupAndRestore on KERAS_BACKEND=jax writes {directory!r} by staging each "
-                "save on the local disk and uploading it, which works in one process only: "
-                "Orbax writes every process's shards into one directory that all of them see. "
-                f"Received: backup_dir={directory!r} with {process.num_processes()} processes. "
-                "Use a gs:// bucket (Orbax writes it itself) or a shared file system."
-            )
         self.module = module
         self.name = module.NAME
         self.directory = directory.rstrip("/")
@@ -83,9 +83,14 @@ class Engine:
         self._number = re.compile(rf"^{re.escape(self._tag)}-(\d+)$")
         _remove_orphans()
         self._staging = tempfile.mkdtemp(prefix=f"{_STAGING}{os.getpid()}-")
+        # Each process stages its own shards (the engine's own protocol needs a shared
+        # directory): see the module's docstring.
+        self._per_process = getattr(module, "STAGED_PER_PROCESS", False)
+        self._per_process = self._per_process and process.num_processes() > 1
+        self._options = {"per_process": True} if self._per_process else {}
         # The staging engine keeps one step: the upload of the one before it is done before
         # the next save begins (and the staging engine is used by one thread at a time).
-        self._local = module.Engine(self._staging, 1, asynchronous=asynchronous)
+        self._local = module.Engine(self._staging, 1, asynchronous=asynchronous, **self._options)
         self._upload: tuple[int, threading.Thread, list] | None = None
         self._fetched: dict[int, tuple[str, object]] = {}  # step -> (tempdir, reader engine)
         # Saves a kill interrupted: a prefix without its marker. The chief removes them.
@@ -98,10 +103,15 @@ class Engine:
     def save(self, step: int, variables: dict, meta: dict) -> None:
         self.wait()
         self._local.save(step, variables, meta)
+        key = None
+        if self._per_process:
+            # Every process saves the same steps in the same order: how many times this
+            # one saved step N of this directory names the save, the same everywhere.
+            count = _SAVES[self.path(step)] = _SAVES.get(self.path(step), 0) + 1
+            key = f"keras_accel/staged/{self.path(step)}/{count}"
         if not self.asynchronous:
             self._local.wait()
-            if process.is_chief():
-                self._commit(step, self._local.step_entries(step))
+            self._send(step, key)
             return
         failure: list = []
 
@@ -110,8 +120,7 @@ class Engine:
                 # The engine's own background write first (the state left the devices
                 # before `save` returned), then the upload, off the training thread.
                 self._local.wait()
-                if process.is_chief():  # tf.train's other workers write a scratch copy.
-                    self._commit(step, self._local.step_entries(step))
+                self._send(step, key)
             except BaseException as error:  # Raised by `wait`, in the training thread.
                 failure.append(error)
 
@@ -119,16 +128,57 @@ class Engine:
         thread.start()
         self._upload = (step, thread, failure)
 
-    def _commit(self, step: int, entries: list[str]) -> None:
-        """Upload step `step`'s local files, then its marker; on failure remove what was sent."""
+    def _send(self, step: int, key: str | None) -> None:
+        """This process's part of committing step `step` (`key`: a per-process save's name
+        in the coordination service)."""
+        entries = self._local.step_entries(step)
+        if key is None:
+            if process.is_chief():  # tf.train's other workers write a scratch copy.
+                self._commit(step, entries)
+            return
+        client = process._coordination_client()
+        me = process.process_index()
+        if me != 0:
+            # Whatever happens here, the chief hears it (it waits for every process).
+            try:
+                sent = self._upload_files(step, entries, f"process-{me}")
+            except BaseException as error:
+                client.key_value_set(f"{key}/{me}", json.dumps({"error": repr(error)}), True)
+                raise
+            client.key_value_set(f"{key}/{me}", json.dumps({"files": sent}), True)
+            return
+        self._commit(step, entries, key)
+
+    def _upload_files(self, step: int, entries: list[str], under: str = "") -> dict[str, int]:
+        """Upload step `step`'s local files (under the step's prefix, in `under` there):
+        {their names in the prefix: sizes}."""
         target = self.path(step)
+        sizes = {}
+        for entry in entries:
+            for relative in _walk(self._staging, entry):
+                local = os.path.join(self._staging, relative)
+                name = "/".join(([under] if under else []) + relative.split(os.sep))
+                files.upload(local, files.join(target, *name.split("/")))
+                sizes[name] = os.path.getsize(local)
+        return sizes
+
+    def _commit(self, step: int, entries: list[str], key: str | None = None) -> None:
+        """Upload step `step`'s local files, then (with `key`: once every other process said
+        it uploaded its own) its marker; on failure remove what was sent."""
+        target = self.path(step)
+        client = process._coordination_client() if key else None
         try:
-            sizes = {}
-            for entry in entries:
-                for relative in _walk(self._staging, entry):
-                    local = os.path.join(self._staging, relative)
-                    files.upload(local, files.join(target, *relative.split(os.sep)))
-                    sizes["/".join(relative.split(os.sep))] = os.path.getsize(local)
+            sizes = self._upload_files(step, entries)
+            for other in range(1, process.num_processes()) if key else ():
+                told = json.loads(client.blocking_key_value_get(f"{key}/{other}", _WAIT_S * 1000))
+                # Read once: the coordination service keeps no more than a save in flight.
+                client.key_value_delete(f"{key}/{other}")
+                if "error" in told:
+                    raise RuntimeError(
+                        f"Process {other} could not upload its part of the backup of step "
+                        f"{step} to {target!r}: {told['error']}"
+                    )
+                sizes.update(told["files"])
             files.write_atomic(files.join(target, MARKER), json.dumps({"files": sizes}))
         except BaseException:
             _remove_tree(target)
@@ -196,12 +246,19 @@ class Engine:
             try:
                 path = self.path(step)
                 listed = json.loads(files.read_text(files.join(path, MARKER)))["files"]
-                for relative in listed:
-                    target = os.path.join(local, *relative.split("/"))
+                # The chief's files first: a file that other processes wrote too (the
+                # step's metadata) is the chief's; their own (shards) are added.
+                for name in sorted(listed, key=lambda name: name.startswith("process-")):
+                    parts = name.split("/")
+                    if _PROCESS.match(parts[0]):
+                        parts = parts[1:]
+                    target = os.path.join(local, *parts)
+                    if os.path.exists(target):
+                        continue
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with files.local_copy(files.join(path, relative)) as copy:
+                    with files.local_copy(files.join(path, name)) as copy:
                         shutil.copyfile(copy, target)
-                reader = self.module.Engine(local, 1, asynchronous=False)
+                reader = self.module.Engine(local, 1, asynchronous=False, **self._options)
             except BaseException:
                 shutil.rmtree(local, ignore_errors=True)
                 raise

@@ -18,6 +18,8 @@ see which process wrote what.
 --loop custom the same training through `Accelerator.loop` (a custom loop), no callbacks.
 --stall-at S  every process writes WORKDIR/at-<S>-<process> at step S and then sleeps 0.3 s
               per step (a window for a test to send SIGTERM).
+--backup URL  BackupAndRestore's directory (WORKDIR/backup unless given: an s3:// URL),
+              saying what it restored (verbose=1).
 --then-defaults  after the results are written, one more epoch with BackupAndRestore at its
               defaults (deleting its backups at the end, which every process takes part in)
               into WORKDIR/backup-defaults; each process then writes
@@ -38,6 +40,7 @@ parser.add_argument("--die", default=None)
 parser.add_argument("--stall-at", type=int, default=None)
 parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
 parser.add_argument("--then-defaults", action="store_true")
+parser.add_argument("--backup", default=None)
 args = parser.parse_args()
 
 import keras_accel  # noqa: E402
@@ -100,7 +103,10 @@ y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
 if args.loop == "fit":
     history = History(os.path.join(args.workdir, "history.json"))
     backup = BackupAndRestore(
-        os.path.join(args.workdir, "backup"), save_freq=3, delete_checkpoint=False
+        args.backup or os.path.join(args.workdir, "backup"),
+        save_freq=3,
+        delete_checkpoint=False,
+        verbose=int(args.backup is not None),
     )
     models = ModelCheckpoint(
         os.path.join(args.workdir, "model-{epoch}.weights.h5"), save_weights_only=True

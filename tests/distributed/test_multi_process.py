@@ -203,6 +203,32 @@ def test_a_killed_process_stops_the_launch_and_the_rerun_resumes(run, tmp_path):
     assert_same(results(tmp_path), results(run))
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="the per-process staging of Orbax's shards")
+def test_a_killed_run_resumes_from_an_s3_backup(run, tmp_path, s3_bucket):
+    """Orbax cannot write s3://: each process stages its own shards locally and uploads
+    them, the chief commits the step once every process has (keras_accel.state.staged).
+    Killed at step 10 and rerun, the run resumes from the bucket and ends with the weights
+    of the uninterrupted run (which backed up to a local directory) bit for bit."""
+    import s3fs
+
+    backup = f"{s3_bucket}/backup"
+    failed = launch(tmp_path, "--die", "1:10", "--backup", backup, check=False)
+    assert "killed by SIGKILL" in failed.stderr, failed.stderr[-3000:]
+    fs = s3fs.S3FileSystem()
+    committed = sorted(
+        int(p.rsplit("-", 1)[1]) for p in fs.ls(backup) if fs.exists(f"{p}/COMMITTED")
+    )
+    assert committed, fs.ls(backup)  # Steps 3, 6 or 9: saved every 3 steps.
+    # Process 1's shards and the chief's files, under one step.
+    step = f"{backup}/orbax-{committed[-1]}"
+    assert fs.ls(f"{step}/process-1") and fs.exists(f"{step}/{committed[-1]}/state/_METADATA")
+    rerun = launch(tmp_path, "--backup", backup)
+    for me in range(PROCESSES):  # From the bucket, not from the start (the same weights).
+        assert f"[{me}] BackupAndRestore: restored {step}" in rerun.stdout, rerun.stdout[-3000:]
+    assert_same(results(tmp_path), results(run))
+    assert_same(results(tmp_path, 1), results(run))
+
+
 def test_sigterm_saves_a_backup_then_the_rerun_resumes(run, tmp_path):
     """A preemption: SIGTERM to the launcher reaches every process, which agree on one step,
     save there, and exit with 143; the next launch resumes from that backup."""

@@ -21,6 +21,8 @@ from keras_accel.state import files, staged
 
 NAME = "orbax"
 STAGED_TAG = "orbax"  # Checkpoint N at a URL Orbax cannot write: `<backup_dir>/orbax-N/`.
+# Staged over several processes, each process stages its own shards (`per_process`).
+STAGED_PER_PROCESS = True
 WRITES = "local paths and gs:// itself, and through a local staging directory any URL fsspec has"
 STATE, META = "state", "meta"
 # Orbax writes step N into `N.orbax-checkpoint-tmp...` and renames it when committed.
@@ -65,12 +67,23 @@ def _interrupted(directory: str) -> dict[int, str]:
 class Engine:
     name = NAME
 
-    def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
+    def __init__(
+        self, directory: str, max_to_keep: int, asynchronous: bool, per_process: bool = False
+    ):
+        """`per_process`: `directory` is this process's own (a staging directory, or a
+        download of a staged step), not one that every process sees. Orbax's primary host
+        creates the step's directories and metadata and the others wait to see them (they
+        hung for ever in a directory of their own), so every process is its own primary
+        here (Orbax's `primary_host=None`, made for process-local storage) and writes its
+        arrays' shards and the metadata. Without OCDBT: each shard is a file of its own
+        (`state/<key>/<chunk>`), written by the one process that holds it, so the files
+        of all processes together are the whole checkpoint; with OCDBT each process's
+        per-process database is merged by the one primary host, which there is none of."""
         self.directory = files.local_path(directory)
         # Saves a kill interrupted, found before the manager removes their leftovers.
         leftovers = _interrupted(self.directory)
         self.interrupted = sorted(leftovers)
-        if leftovers and jax.process_index() == 0:
+        if leftovers and (per_process or jax.process_index() == 0):
             # The leftovers are removed before the manager exists: Orbax's own cleanup runs
             # in a thread that may not have finished when a caller (or the user) looks, and
             # removing them beside it made that thread fail the next save (FileNotFoundError).
@@ -78,19 +91,24 @@ class Engine:
             for name in leftovers.values():
                 with contextlib.suppress(FileNotFoundError):
                     files.rmtree(files.join(self.directory, name))
+        hosts = ocp.options.MultiprocessingOptions(primary_host=None if per_process else 0)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=asynchronous,
             create=True,
             # Leftovers of a save that a kill interrupted are removed when a run starts.
             cleanup_tmp_directories=True,
+            multiprocessing_options=hosts,
+            enable_per_process_directory_creation=per_process,
         )
         handlers = {
             # Training state is floating point noise to a compressor: zstd cost the writer
             # thread 2.5x the time (measured, benchmarks/checkpoint_overhead.py) for next
             # to no space, and that thread shares the host's cores with the input pipeline.
-            STATE: ocp.PyTreeCheckpointHandler(use_compression=False),
-            META: ocp.JsonCheckpointHandler(),
+            STATE: ocp.PyTreeCheckpointHandler(
+                use_compression=False, use_ocdbt=not per_process, multiprocessing_options=hosts
+            ),
+            META: ocp.JsonCheckpointHandler(multiprocessing_options=hosts),
         }
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
