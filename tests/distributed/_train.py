@@ -20,6 +20,7 @@ see which process wrote what.
               per step (a window for a test to send SIGTERM).
 --backup URL  BackupAndRestore's directory (WORKDIR/backup unless given: an s3:// URL),
               saying what it restored (verbose=1).
+--strategy S  the Accelerator's strategy (fsdp: kernels split over the processes' devices).
 --then-defaults  after the results are written, one more epoch with BackupAndRestore at its
               defaults (deleting its backups at the end, which every process takes part in)
               into WORKDIR/backup-defaults; each process then writes
@@ -41,6 +42,7 @@ parser.add_argument("--stall-at", type=int, default=None)
 parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
 parser.add_argument("--then-defaults", action="store_true")
 parser.add_argument("--backup", default=None)
+parser.add_argument("--strategy", default=None)
 args = parser.parse_args()
 
 import keras_accel  # noqa: E402
@@ -61,7 +63,9 @@ from keras_accel.callbacks import (  # noqa: E402
 from keras_accel.state import files  # noqa: E402
 
 # The Accelerator first: a multi-process run joins its cluster before anything computes.
-acc = Accelerator(seed=0, devices=args.devices)
+acc = Accelerator(
+    seed=0, devices=args.devices, **({"strategy": args.strategy} if args.strategy else {})
+)
 me = acc.process_index
 log = os.path.join(args.workdir, f"writes-{me}.txt")
 for module, name in (
@@ -134,12 +138,23 @@ else:
         losses.append(loop.results()["loss"])
     evaluation = list(loop.evaluate(x, y, batch_size=16).values())
     predictions = loop.predict(x, batch_size=16)
+
+
+def whole(value):
+    """A weight's value, gathered from every process where it is split (fsdp)."""
+    if getattr(value, "is_fully_addressable", True):
+        return keras.ops.convert_to_numpy(value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
 np.savez(
     os.path.join(args.workdir, f"result-{me}.npz"),
     loss=np.asarray(losses),
     evaluation=np.asarray(evaluation),
     predictions=predictions,
-    **{f"w{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.weights)},
+    **{f"w{i}": whole(v.value) for i, v in enumerate(model.weights)},
 )
 if args.then_defaults:
     acc.fit(

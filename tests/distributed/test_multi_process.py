@@ -207,12 +207,17 @@ def test_a_killed_process_stops_the_launch_and_the_rerun_resumes(run, tmp_path):
 def test_a_killed_run_resumes_from_an_s3_backup(run, tmp_path, s3_bucket):
     """Orbax cannot write s3://: each process stages its own shards locally and uploads
     them, the chief commits the step once every process has (keras_accel.state.staged).
-    Killed at step 10 and rerun, the run resumes from the bucket and ends with the weights
-    of the uninterrupted run (which backed up to a local directory) bit for bit."""
+    Under fsdp (each process holds half of every kernel), killed at step 10 and rerun, the
+    run resumes from the bucket on both processes and ends with the weights of the
+    uninterrupted run (data parallel, backed up to a local directory: the same bits here,
+    measured) bit for bit."""
     import s3fs
 
     backup = f"{s3_bucket}/backup"
-    failed = launch(tmp_path, "--die", "1:10", "--backup", backup, check=False)
+    # fsdp: the Dense kernels split over both processes' devices, so each process
+    # writes shards of its own.
+    fsdp = ("--backup", backup, "--strategy", "fsdp")
+    failed = launch(tmp_path, "--die", "1:10", *fsdp, check=False)
     assert "killed by SIGKILL" in failed.stderr, failed.stderr[-3000:]
     fs = s3fs.S3FileSystem()
     committed = sorted(
@@ -221,8 +226,10 @@ def test_a_killed_run_resumes_from_an_s3_backup(run, tmp_path, s3_bucket):
     assert committed, fs.ls(backup)  # Steps 3, 6 or 9: saved every 3 steps.
     # Process 1's shards and the chief's files, under one step.
     step = f"{backup}/orbax-{committed[-1]}"
-    assert fs.ls(f"{step}/process-1") and fs.exists(f"{step}/{committed[-1]}/state/_METADATA")
-    rerun = launch(tmp_path, "--backup", backup)
+    assert fs.exists(f"{step}/{committed[-1]}/state/_METADATA")
+    mine = fs.find(f"{step}/process-1/{committed[-1]}/state")
+    assert [p for p in mine if p.rsplit("/", 1)[1][0].isdigit()], mine  # Shards: "<chunk>".
+    rerun = launch(tmp_path, *fsdp)
     for me in range(PROCESSES):  # From the bucket, not from the start (the same weights).
         assert f"[{me}] BackupAndRestore: restored {step}" in rerun.stdout, rerun.stdout[-3000:]
     assert_same(results(tmp_path), results(run))
