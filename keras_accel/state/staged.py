@@ -136,7 +136,7 @@ class Engine:
             if process.is_chief():  # tf.train's other workers write a scratch copy.
                 self._commit(step, entries)
             return
-        client = process._coordination_client()
+        client = process.coordination_client()
         me = process.process_index()
         if me != 0:
             # Whatever happens here, the chief hears it (it waits for every process).
@@ -166,7 +166,7 @@ class Engine:
         """Upload step `step`'s local files, then (with `key`: once every other process said
         it uploaded its own) its marker; on failure remove what was sent."""
         target = self.path(step)
-        client = process._coordination_client() if key else None
+        client = process.coordination_client() if key else None
         try:
             sizes = self._upload_files(step, entries)
             for other in range(1, process.num_processes()) if key else ():

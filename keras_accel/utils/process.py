@@ -125,7 +125,7 @@ def _torch_barrier(name: str) -> None:
         raise RuntimeError(f"keras_accel: barrier {name!r}: {error}") from error
 
 
-def _coordination_client():
+def coordination_client():
     """The JAX distributed runtime's client (its key-value store on the coordinator), or a
     clear error. `jax.distributed.initialize` makes it; JAX has no public accessor."""
     from keras_accel.utils import library_internals
@@ -164,7 +164,7 @@ class EndAgreement:
         self.number = EndAgreement._passes
         self.me = process_index()
         self.others = [p for p in range(num_processes()) if p != self.me]
-        self._client = _coordination_client()
+        self._client = coordination_client()
         self._ended: dict[int, int] = {}
         # Every process finished pass n - 2 before any began pass n (the end of pass n - 1
         # needed all of them): its keys are read by no one any more.
