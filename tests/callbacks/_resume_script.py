@@ -6,7 +6,8 @@ Trains a small seeded model (Dense, BatchNormalization, Dropout; SGD with moment
 `Accelerator.fit` on 8 virtual CPU devices (one device on torch) with BackupAndRestore
 (save_freq in steps), History(path, per_step=True) and a step-mode LearningRateScheduler.
 With KILL_AT="E:B" the process SIGKILLs itself at the end of batch B of epoch E (after the
-callbacks ran, so a backup of the batches before may exist). At the end it writes the final
+callbacks ran, so a backup of the batches before may exist), or sends itself the signal
+that `kill_with` names. At the end it writes the final
 weights to WORKDIR/RUN_NAME.weights.npz.
 
 Options:
@@ -14,8 +15,10 @@ Options:
   in the order given (always wired enc -> bn -> relu -> drop -> head); the weights file is
   then keyed by variable path ("/" written as "|");
 - `save_freq=epoch` (or a number of batches; default 3);
-- `backup_root=URL`: keep the backup in URL/RUN_NAME.backup (an s3:// bucket) instead of
-  WORKDIR;
+- `backup_root=URL`: keep the backup in URL/RUN_NAME.backup (an s3:// or gs:// bucket)
+  instead of WORKDIR;
+- `kill_with=SIGTERM`: the signal KILL_AT sends (default SIGKILL); SIGTERM is a cloud's
+  preemption, which BackupAndRestore answers with a backup and exit code 143;
 - `raise_after=E`: a RuntimeError out of `on_epoch_end` of epoch E, after BackupAndRestore
   handed that epoch's backup to the engine: the exception ends `fit` (Keras then skips
   `on_train_end`) and the process, uncaught.
@@ -52,9 +55,9 @@ SAVE_FREQ = 3
 
 
 class KillAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
+    def __init__(self, epoch, batch, signum=signal.SIGKILL):
         super().__init__()
-        self.at = (epoch, batch)
+        self.at, self.signum = (epoch, batch), signum
         self.epoch = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -62,7 +65,7 @@ class KillAt(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if (self.epoch, batch) == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
 
 
 class RaiseAfter(keras.callbacks.Callback):
@@ -151,7 +154,8 @@ def main():
     ]
     if kill_at:
         epoch, batch = (int(part) for part in kill_at.split(":"))
-        callbacks.append(KillAt(epoch, batch))
+        signum = signal.Signals[options.get("kill_with", "SIGKILL")]
+        callbacks.append(KillAt(epoch, batch, signum))
     if "raise_after" in options:
         callbacks.append(RaiseAfter(int(options["raise_after"])))
     acc.fit(
