@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from keras_accel.schedules import PiecewiseConstant
+from tests.gcs_emulator import gcs_like_google  # noqa: F401 (a fixture, for gs://)
 
 pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch: one process, one device.
 
@@ -95,44 +96,13 @@ def test_killed_run_resumes_exactly(tmp_path, backend):
 
 
 # The engines that a local GCS emulator reaches: Orbax writes gs:// itself (tensorstore for
-# the arrays, gcsfs through etils for the rest). TensorFlow's own GCS client has Google's
-# endpoint compiled in; DCP's commit renames `.metadata` through gcsfs, a copy and a delete
-# that the emulator answers too slowly for the suite (tests/state/test_staged.py, GS_LAYOUT).
-GS_BACKENDS = {"jax"}
-
-
-@pytest.fixture
-def gcs_generations(gcs_server, monkeypatch):
-    """The GCS emulator's object reads answer with the object's generation, as GCS's do
-    (`x-goog-generation`; gcp-storage-emulator sends none). Orbax's OCDBT store reads its
-    manifest and rewrites it on the condition of that generation: without it tensorstore
-    refuses the write ("Malformed StorageGeneration") once a second array's store reads the
-    manifest the first one wrote. For the test; the handlers are put back afterwards. (Its
-    place is the emulator's fixture in tests/object_stores.py, for every gs:// test.)"""
-    from gcp_storage_emulator import server
-    from gcp_storage_emulator.exceptions import NotFound
-    from gcp_storage_emulator.handlers import objects
-
-    def with_generation(handler):
-        def read(request, response, storage, *args, **kwargs):
-            handler(request, response, storage, *args, **kwargs)
-            params = request.params
-            try:
-                obj = storage.get_file_obj(params["bucket_name"], params["object_id"])
-            except NotFound:
-                return
-            response["x-goog-generation"] = obj["generation"]
-            response["x-goog-metageneration"] = obj["metageneration"]
-
-        return read
-
-    for _, handlers in server.HANDLERS:
-        if handlers.get(server.GET) in (objects.get, objects.download):
-            monkeypatch.setitem(handlers, server.GET, with_generation(handlers[server.GET]))
+# the arrays, gcsfs through etils for the rest), DCP through gcsfs. TensorFlow's own GCS
+# client has Google's endpoint compiled in.
+GS_BACKENDS = {"jax", "torch"}
 
 
 # The committed step a killed run certainly left: 9, complete before step 12's save began.
-STEP_9 = {"s3": {"orbax-9", "tf-9", "dcp-9"}, "gs": {"9"}}
+STEP_9 = {"s3": {"orbax-9", "tf-9", "dcp-9"}, "gs": {"9", "dcp-9"}}
 
 
 @pytest.mark.slow
@@ -162,7 +132,7 @@ def test_stopped_run_with_its_backup_in_a_bucket_resumes_exactly(
     if signum == signal.SIGTERM and backend != "jax":
         pytest.skip("SIGTERM into a bucket runs on JAX only (the suite's budget)")
     if store == "gs":
-        request.getfixturevalue("gcs_generations")
+        request.getfixturevalue("gcs_like_google")
     bucket = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[store])
     root = f"backup_root={bucket}"
     uninterrupted = _start(tmp_path, "A")

@@ -11,6 +11,7 @@ import pytest
 
 from keras_accel.callbacks import BackupAndRestore
 from keras_accel.state import files
+from tests.gcs_emulator import gcs_like_google  # noqa: F401 (a fixture, for gs://)
 
 pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch (DCP writes s3:// itself).
 
@@ -85,17 +86,18 @@ def test_a_backup_on_s3_commits_rotates_and_resumes(s3_bucket, backend):
     assert not files.exists(url)  # Deleted once training completed.
 
 
-# On gs:// Orbax writes step N in place, committed by N/commit_success.txt (no staging).
-# TensorFlow's own GCS client has its endpoint compiled in: no emulator reaches it. DCP's
-# commit renames `.metadata` into place, which gcsfs does as a copy the emulator answers
-# slowly (100 s for three saves): too slow for the suite; its detection is s3's.
-GS_LAYOUT = {"jax": ("{}", "commit_success.txt")}
+# On gs:// Orbax writes step N in place, committed by N/commit_success.txt (no staging), and
+# DCP as on s3://. TensorFlow's own GCS client has its endpoint compiled in: no emulator
+# reaches it.
+GS_LAYOUT = {"jax": ("{}", "commit_success.txt"), "torch": ("dcp-{}", ".metadata")}
 
 
 @pytest.mark.parametrize("store", ["s3", "gs"])
 def test_an_interrupted_save_on_an_object_store_is_named_and_removed(request, store, backend):
     if store == "gs" and backend not in GS_LAYOUT:
-        pytest.skip(f"no cheap gs:// emulator run for {backend}'s engine (see GS_LAYOUT)")
+        pytest.skip(f"no gs:// emulator run for {backend}'s engine (see GS_LAYOUT)")
+    if store == "gs":
+        request.getfixturevalue("gcs_like_google")
     bucket = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[store])
     url = f"{bucket}/run"
     step, marker = (LAYOUT if store == "s3" else GS_LAYOUT)[backend]
