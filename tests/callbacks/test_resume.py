@@ -165,6 +165,7 @@ def test_stopped_run_with_its_backup_in_a_bucket_resumes_exactly(
         np.testing.assert_allclose(b[key], a[key], atol=1e-6, rtol=0, err_msg=key)
     assert int(b["iterations"]) == EPOCHS * STEPS_PER_EPOCH
     assert not files.exists(f"{bucket}/B.backup")  # Deleted once training completed.
+    assert files.listdir(bucket) == []  # Nothing else was left behind.
 
 
 NAMED = "named=enc,bn,drop,head"
