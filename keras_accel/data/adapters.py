@@ -10,6 +10,7 @@ one static size, so none has a partial batch, and a step's batch size is the bat
 
 from __future__ import annotations
 
+from keras_accel.data.batching import unpack
 from keras_accel.utils import keras_internals
 
 
@@ -48,6 +49,32 @@ class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
     @property
     def partial_batch_size(self):
         return None
+
+
+class DatasetPasses(PaddedBatchesAdapter):
+    """A data adapter over `dataset` (a `keras_accel.data.pydataset.StaticBatchDataset`)
+    whose epochs are the dataset's: a pass is its `num_batches` batches, and
+    `on_epoch_end` advances it, as Keras's own PyDataset adapter does
+    (`keras_accel_ends_epochs`). A subclass gives the iterator its backend reads."""
+
+    keras_accel_ends_epochs = True  # `Accelerator.fit` must not advance the epochs too.
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def keras_accel_first_batch(self):
+        # What `Accelerator` builds the model from (`_first_batch`).
+        return unpack(self.dataset[0])
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+    @property
+    def num_batches(self):
+        return self.dataset.num_batches
 
 
 def _stack(leaves):

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import itertools
 
-from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import unpack
+from keras_accel.data.adapters import DatasetPasses
 
 
-class OneBatchAhead(PaddedBatchesAdapter):
+class OneBatchAhead(DatasetPasses):
     """`dataset` (a `keras_accel.data.pydataset.StaticBatchDataset`) as a Keras data adapter
     whose JAX iterator places each batch with `place` one batch before it is asked for.
 
@@ -35,15 +34,9 @@ class OneBatchAhead(PaddedBatchesAdapter):
     gives it.
     """
 
-    keras_accel_ends_epochs = True  # `Accelerator.fit` must not advance the epochs too.
-
     def __init__(self, dataset, place):
-        self.dataset = dataset
+        super().__init__(dataset)
         self.place = place
-
-    def keras_accel_first_batch(self):
-        # What `Accelerator` builds the model from (`_first_batch`).
-        return unpack(self.dataset[0])
 
     def _epoch(self):
         return getattr(self.dataset.batches, "epoch", None)
@@ -78,13 +71,3 @@ class OneBatchAhead(PaddedBatchesAdapter):
 
     def get_jax_iterator(self, super_batch=None):
         return self.jax_batches(self._pass(), super_batch)
-
-    def on_epoch_begin(self):
-        self.dataset.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.dataset.on_epoch_end()
-
-    @property
-    def num_batches(self):
-        return self.dataset.num_batches

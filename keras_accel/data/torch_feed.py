@@ -16,8 +16,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import unpack
+from keras_accel.data.adapters import DatasetPasses
 
 # numpy dtypes whose tensor Keras's torch `convert_to_tensor` makes with the same dtype
 # (`torch.as_tensor(x, dtype=..., device=...)`); any other (uint32, which Keras widens;
@@ -38,21 +37,13 @@ _SAME_DTYPE = frozenset(
 )
 
 
-class TorchBatches(PaddedBatchesAdapter):
+class TorchBatches(DatasetPasses):
     """`dataset` (a `keras_accel.data.pydataset.StaticBatchDataset` over arrays) as a Keras
     data adapter whose torch iterator yields each batch as torch tensors (see the module
     docstring). Epochs are the dataset's, advanced by `on_epoch_end` as Keras's PyDataset
     adapter advances them (`keras_accel_ends_epochs`)."""
 
-    keras_accel_ends_epochs = True  # `Accelerator.fit` must not advance the epochs too.
     feeds = "the torch trainer"
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def keras_accel_first_batch(self):
-        # What `Accelerator` builds the model from (`_first_batch`).
-        return unpack(self.dataset[0])
 
     def get_torch_dataloader(self):
         return self._pass()
@@ -71,13 +62,3 @@ class TorchBatches(PaddedBatchesAdapter):
 
         for index in range(self.dataset.num_batches):
             yield keras.tree.map_structure(convert, self.dataset[index])
-
-    def on_epoch_begin(self):
-        self.dataset.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.dataset.on_epoch_end()
-
-    @property
-    def num_batches(self):
-        return self.dataset.num_batches

@@ -183,6 +183,23 @@ def write_atomic(path: str, data: bytes | str) -> None:
     replace_local(inner, fill)
 
 
+def numbered(directory: str, number, marker_of) -> dict[int, bool]:
+    """`{N: committed}` for every entry of `directory` whose name `number` (a compiled
+    pattern with the step as its group 1) matches, committed where `marker_of(N)` exists;
+    `{}` where the directory does not exist. The listing checkpoint engines share."""
+    try:
+        names = listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found = {}
+    for name in names:
+        match = number.match(name)
+        if match:
+            step = int(match.group(1))
+            found[step] = exists(marker_of(step))
+    return found
+
+
 def create_new(path: str, data: bytes | str) -> bool:
     """Create `path` holding `data` only if nothing is there, in one step, so that of two
     writers at the same moment one wins: True if this one did. An object store's

@@ -202,17 +202,9 @@ class Engine:
     # ------------------------------------------------------------------ listing
     def _listed(self) -> dict[int, bool]:
         """{step: committed} for every `<tag>-N` prefix in the directory."""
-        try:
-            names = files.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        found = {}
-        for name in names:
-            match = self._number.match(name)
-            if match:
-                step = int(match.group(1))
-                found[step] = files.exists(files.join(self.path(step), MARKER))
-        return found
+        return files.numbered(
+            self.directory, self._number, lambda step: files.join(self.path(step), MARKER)
+        )
 
     def _steps(self) -> list[int]:
         return sorted(step for step, done in self._listed().items() if done)

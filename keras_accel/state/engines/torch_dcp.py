@@ -188,17 +188,9 @@ class Engine:
 
     def _listed(self) -> dict[int, bool]:
         """{step: committed} for every `dcp-N` in the directory."""
-        try:
-            names = files.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        found = {}
-        for name in names:
-            match = _NUMBER.match(name)
-            if match:
-                step = int(match.group(1))
-                found[step] = files.exists(files.join(self.path(step), COMMIT))
-        return found
+        return files.numbered(
+            self.directory, _NUMBER, lambda step: files.join(self.path(step), COMMIT)
+        )
 
     def _steps(self) -> list[int]:
         return sorted(step for step, done in self._listed().items() if done)
