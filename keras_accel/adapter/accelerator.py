@@ -581,6 +581,16 @@ class Accelerator:
         fusion.note(model, n, why, 1 if verbose == "auto" else verbose)
         return n
 
+    def _wrap(self, model, kind: str, batches, n: int, preprocess, steps):
+        """`batches` as the model's `kind` steps take them: one group of `n` batches per call
+        where the backend reads a call's steps at once (`Runtime.grouped`) and the call's
+        epochs are whole passes (`steps` None), else batch by batch (`Runtime.wrap`)."""
+        if steps is None:
+            grouped = self._runtime.grouped(batches, model, kind, n, preprocess)
+            if grouped is not None:
+                return grouped
+        return self._runtime.wrap(batches, True, preprocess)
+
     def fit(
         self,
         model: keras.Model,
@@ -633,17 +643,6 @@ class Accelerator:
             _check_evaluation(val, "validation_data")
             self._check_exact(model, val, "validation_data")
         preprocess = preprocessor(model)
-        train_data = self._runtime.wrap(train, True, preprocess)
-        contracts = {"train": self._contract(train)}
-        if val is not None:
-            contracts["test"] = self._contract(val)
-        sync = _EpochSync(
-            self.guard,
-            train,
-            keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
-            or getattr(train_data, "keras_accel_ends_epochs", False),
-        )
-        # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
         steps = steps_per_epoch or train.plan.num_batches
         n = self._fuse(
             model,
@@ -653,6 +652,17 @@ class Accelerator:
             verbose,
             validating=val is not None,
             divides=validation_steps if val is not None else None,
+        )
+        train_data = self._wrap(model, "train", train, n, preprocess, steps_per_epoch)
+        contracts = {"train": self._contract(train)}
+        if val is not None:
+            contracts["test"] = self._contract(val)
+        # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
+        sync = _EpochSync(
+            self.guard,
+            train,
+            keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
+            or getattr(train_data, "keras_accel_ends_epochs", False),
         )
 
         def patch(patches):
@@ -674,7 +684,9 @@ class Accelerator:
                 callbacks=fusion.progress(
                     [sync, *(callbacks or []), *self._own_callbacks()], verbose
                 ),
-                validation_data=None if val is None else self._runtime.wrap(val, True, preprocess),
+                validation_data=None
+                if val is None
+                else self._wrap(model, "test", val, n, preprocess, validation_steps),
                 initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch,
                 validation_steps=validation_steps,
@@ -709,9 +721,9 @@ class Accelerator:
         _check_evaluation(batches, "x")
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
-        data = self._runtime.wrap(batches, True, preprocessor(model))
         length = steps or batches.plan.num_batches
         n = self._fuse(model, "test", length, callbacks, verbose)
+        data = self._wrap(model, "test", batches, n, preprocessor(model), steps)
         patch = functools.partial(
             fusion.install, model=model, n=n, callbacks=callbacks, kind="test", steps=length
         )

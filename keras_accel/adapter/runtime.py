@@ -118,6 +118,11 @@ class Runtime:
         rows of (`keras_accel.data.grain.process_share`), or None (read it all)."""
         return None
 
+    def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
+        """What `model.fit` (or `evaluate`) takes for the feeder's `batches` where this
+        backend reads a whole call's steps at once, else None (`wrap`)."""
+        return None
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         """What `model.fit` takes for the feeder's `batches`."""
         raise NotImplementedError(f"{type(self).__name__}.wrap")

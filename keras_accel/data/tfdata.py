@@ -202,16 +202,7 @@ def array_pipeline(
     """
     plan = batches.plan
     n, rows = plan.num_samples, plan.batch_size
-    with tf.device("/cpu:0"):
-        sample_weight = batches.sample_weight
-        leaves = tf.nest.map_structure(
-            lambda a: None if a is None else _host_tensor(a),
-            (batches.x, batches.y, None if sample_weight is None else sample_weight),
-        )
-        epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
-    batches.epoch_listeners.append(lambda value: epoch.assign(value))
-    seed = tf.constant(batches.seed % 2**63, tf.int64)
-    real_rows = tf.constant(plan.real_rows)
+    leaves, seed, epoch, real_rows = _array_sources(batches)
     if preprocess is None:
         # Several batches per map call, cut apart by `unbatch` (the same batches).
         group = _group_size(leaves, plan.static_rows, len(batches))
@@ -241,6 +232,94 @@ def array_pipeline(
         dataset = tf.data.Dataset.range(len(batches)).map(
             load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
         )
+    return _with_array_options(dataset)
+
+
+def _array_sources(batches: ArrayBatches, epoch_variable: bool = True):
+    """The arrays as host tensors (once), the shuffle's seed, the epoch variable that
+    `Accelerator.fit` sets at each epoch's start (None without `epoch_variable`), and each
+    batch's real rows."""
+    with tf.device("/cpu:0"):
+        sample_weight = batches.sample_weight
+        leaves = tf.nest.map_structure(
+            lambda a: None if a is None else _host_tensor(a),
+            (batches.x, batches.y, None if sample_weight is None else sample_weight),
+        )
+        epoch = None
+        if epoch_variable:
+            epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
+    if epoch is not None:
+        batches.epoch_listeners.append(lambda value: epoch.assign(value))
+    seed = tf.constant(batches.seed % 2**63, tf.int64)
+    return leaves, seed, epoch, tf.constant(batches.plan.real_rows)
+
+
+# The keys of a group's element (`ArrayGroups`).
+GROUP_STEPS = "keras_accel_steps"
+GROUP_BATCHES = "keras_accel_batches"
+
+
+class ArrayGroups:
+    """`array_pipeline`'s batches (no preprocessing, with the row mask), `steps` at a time,
+    epoch after epoch from one iterator.
+
+    Each element is `{GROUP_STEPS: k, GROUP_BATCHES: b}`, `b` the group's padded batches
+    stacked on a new first axis of exactly `steps` (an epoch's last group holds k < `steps`;
+    its missing slots repeat its last batch and are never run): the same batches, rows,
+    order, padding and mask as `array_pipeline`, gathered in one op per array for the whole
+    group. A fused XLA program reads one element per call (`keras_accel.adapter.backends.
+    tensorflow.fused`) instead of `steps` reads of an iterator, each of which costs more
+    than a small step. The data set runs on past an epoch's end into the next epochs (epoch
+    e's groups in e's order, computed from the group's count, not read from a variable), so
+    one iterator serves a whole `fit`: making one costs about 13 ms here, and Keras makes
+    two per epoch."""
+
+    def __init__(self, batches: ArrayBatches, steps: int):
+        self.steps = steps
+        self.groups_per_epoch = -(-len(batches) // steps)
+        leaves, seed, _, real_rows = _array_sources(batches, epoch_variable=False)
+        load = _group_loader(batches, leaves, real_rows, seed, None, carry_mask=True)
+        with tf.device("/cpu:0"):
+            # The first group's number (epoch x groups per epoch) of the next iterator.
+            self._first = tf.Variable(0, dtype=tf.int64, trainable=False, name="first_group")
+        first, groups, num_batches = self._first, self.groups_per_epoch, len(batches)
+
+        def group(i):
+            number = first + i
+            epoch, begin = number // groups, (number % groups) * steps
+            indices = tf.range(begin, tf.minimum(begin + steps, num_batches))
+            count = tf.shape(indices)[0]
+            missing = tf.fill([steps - count], indices[-1])
+            stacked = load(tf.concat([indices, missing], axis=0), epoch)
+            stacked = tf.nest.map_structure(
+                lambda t: tf.ensure_shape(t, [steps] + t.shape[1:].as_list()), stacked
+            )
+            return {GROUP_STEPS: count, GROUP_BATCHES: stacked}
+
+        # As good as endless: an iterator is dropped with its call.
+        dataset = tf.data.Dataset.range(2**62).map(
+            tf.autograph.experimental.do_not_convert(group),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+        self.dataset = _with_array_options(dataset)
+
+    @property
+    def element_spec(self):
+        return self.dataset.element_spec
+
+    def iterator(self, epoch: int):
+        """Groups from the start of `epoch` on."""
+        self._first.assign(epoch * self.groups_per_epoch)
+        return iter(self.dataset)
+
+    def first_batch(self):
+        """The first batch of the current order, as the pipeline gives it."""
+        element = next(iter(self.dataset.take(1)))
+        return tf.nest.map_structure(lambda t: t[0], element[GROUP_BATCHES])
+
+
+def _with_array_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     # No auto-shard policy here: under MirroredStrategy and MultiWorkerMirroredStrategy the
     # runtime feeds each process its rows of every global batch itself (`distribute`, whose
@@ -282,12 +361,13 @@ def _group_size(leaves, static_rows: int, num_batches: int) -> int:
 def _group_loader(batches: ArrayBatches, leaves, real_rows, seed, epoch, carry_mask: bool):
     """`load(indices)` -> the padded batches `indices` stacked on a new first axis: each
     the batch `_padded` makes from that batch's rows alone (the same rows, order, padding,
-    weights and mask), gathered in one op per array for the whole group."""
+    weights and mask), gathered in one op per array for the whole group. The rows are in
+    the order of the epoch `epoch` holds, or of `load`'s `epoch_number` where given."""
     plan = batches.plan
     n, rows, static = plan.num_samples, plan.batch_size, plan.static_rows
     scales = tf.constant(plan.weight_scales, tf.float32)
 
-    def load(indices):
+    def load(indices, epoch_number=None):
         count = tf.shape(indices)[0]
         offsets = tf.range(static, dtype=tf.int64)
         # Row r of batch i is real where r < its real rows (never past `rows` <= `static`).
@@ -295,8 +375,10 @@ def _group_loader(batches: ArrayBatches, leaves, real_rows, seed, epoch, carry_m
         positions = tf.where(real, indices[:, tf.newaxis] * rows + offsets[tf.newaxis, :], 0)
         positions = tf.reshape(positions, [-1])
         if batches.shuffle:
+            if epoch_number is None:
+                epoch_number = epoch.read_value()
             positions = tf.random.experimental.index_shuffle(
-                positions, seed=tf.stack([seed, epoch.read_value()]), max_index=n - 1
+                positions, seed=tf.stack([seed, epoch_number]), max_index=n - 1
             )
 
         def grouped(t):

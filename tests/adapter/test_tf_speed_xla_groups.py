@@ -1,6 +1,8 @@
 """On one TensorFlow device a model compiled with `jit_compile=True` runs each fused group of
 steps as one XLA program (`keras_accel.adapter.backends.tensorflow.fused._XlaGroup`) instead
-of one XLA launch per step: every number must be the one the per-step launches give."""
+of one XLA launch per step, its batches read as one element of a grouped pipeline
+(`keras_accel.data.tfdata.ArrayGroups`) where they are arrays: every number must be the one
+the per-step launches give."""
 
 import keras
 import numpy as np
@@ -13,18 +15,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(monkeypatch, grouped: bool, dropout: bool, rows: int, spe):
+def _run(monkeypatch, mode: str, dropout: bool, rows: int, spe, **fit_kwargs):
+    """mode: "pipeline" (arrays read a group at a time), "reads" (the group's batches read
+    one by one into the XLA program) or "launches" (one XLA launch per step)."""
     from keras_accel.adapter.backends.tensorflow import fused
+    from keras_accel.adapter.backends.tensorflow.runtime import Runtime
 
     calls = []
-    takes = fused._XlaGroup.takes
+    takes, run_group = fused._XlaGroup.takes, fused._XlaGroup.run_group
 
-    def spy(self, spec, n):
-        taken = grouped and takes(self, spec, n)
-        calls.append(taken)
+    def spy_takes(self, spec, n):
+        taken = mode == "reads" and takes(self, spec, n)
+        calls.append(("reads", taken))
         return taken
 
-    monkeypatch.setattr(fused._XlaGroup, "takes", spy)
+    def spy_run_group(self, iterator):
+        calls.append(("pipeline", True))
+        return run_group(self, iterator)
+
+    monkeypatch.setattr(fused._XlaGroup, "takes", spy_takes)
+    monkeypatch.setattr(fused._XlaGroup, "run_group", spy_run_group)
+    if mode != "pipeline":
+        monkeypatch.setattr(Runtime, "grouped", lambda *args, **kwargs: None)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 12)).astype("float32")
     y = keras.utils.to_categorical(rng.integers(0, 5, rows), 5)
@@ -42,18 +54,38 @@ def _run(monkeypatch, grouped: bool, dropout: bool, rows: int, spe):
             jit_compile=True,
         )
     history = acc.fit(
-        model, x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x[:40], y[:40])
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        verbose=0,
+        validation_data=(x[:40], y[:40]),
+        **fit_kwargs,
     )
     evaluation = acc.evaluate(model, x, y, batch_size=16, verbose=0)
     monkeypatch.undo()
     return model.get_weights(), history.history, evaluation, calls
 
 
-@pytest.mark.parametrize("dropout,rows,spe", [(False, 200, "auto"), (True, 200, 4), (False, 64, 3)])
-def test_xla_groups_compute_what_per_step_launches_do(monkeypatch, dropout, rows, spe):
-    weights, history, evaluation, calls = _run(monkeypatch, True, dropout, rows, spe)
-    assert calls and all(calls)  # The groups ran as one XLA program each.
-    want_weights, want_history, want_evaluation, _ = _run(monkeypatch, False, dropout, rows, spe)
+@pytest.mark.parametrize(
+    "mode,dropout,rows,spe,fit_kwargs",
+    [
+        ("pipeline", False, 200, "auto", {}),
+        ("pipeline", True, 200, 4, {"initial_epoch": 1}),  # Groups from the resumed epoch.
+        ("pipeline", False, 64, 3, {}),
+        ("reads", True, 200, 4, {"steps_per_epoch": 8}),  # Not whole passes: read one by one.
+    ],
+)
+def test_xla_groups_compute_what_per_step_launches_do(
+    monkeypatch, mode, dropout, rows, spe, fit_kwargs
+):
+    weights, history, evaluation, calls = _run(monkeypatch, mode, dropout, rows, spe, **fit_kwargs)
+    assert calls and all(taken for _, taken in calls)  # One XLA program per group,
+    assert {how for how, _ in calls} == {mode}  # its batches read as `mode` says.
+    want_weights, want_history, want_evaluation, _ = _run(
+        monkeypatch, "launches", dropout, rows, spe, **fit_kwargs
+    )
     assert history == want_history
     assert evaluation == want_evaluation
     for got, want in zip(weights, want_weights):

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from keras_accel.adapter import guard
 from keras_accel.adapter.backends.tensorflow.reduction import reduce_logs
+from keras_accel.data import tfdata
 
 
 def fused_function(model, kind: str):
@@ -79,6 +80,13 @@ def fused_function(model, kind: str):
 
     def function(iterator):
         n = int(model.steps_per_execution)
+        if is_group(iterator.element_spec):  # Read as groups (`Runtime.grouped`).
+            if grouped is None:
+                raise RuntimeError(
+                    "keras_accel: groups of batches reached a step function without XLA "
+                    f"(the model's jit_compile is {model.jit_compile!r}); please report this."
+                )
+            return grouped.run_group(iterator)
         if n == 1:  # A multi-worker step (`Runtime.make_function`): no loop, no look-ahead.
             return single(iterator)
         if grouped is not None and grouped.takes(iterator.element_spec, n):
@@ -101,6 +109,23 @@ def _with_shape(leaf, shape):
 _GROUP_BYTES = 64 * 2**20
 
 
+def fits_one_program(spec, copies: int = 1) -> bool:
+    """Whether `copies` batches of `spec` can be one input of the XLA group program: every
+    leaf a tensor of known shape, no strings, at most `_GROUP_BYTES` in all."""
+    leaves = tf.nest.flatten(spec)
+    if not all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
+        return False
+    if any(leaf.dtype == tf.string or not leaf.shape.is_fully_defined() for leaf in leaves):
+        return False
+    size = sum(leaf.shape.num_elements() * leaf.dtype.size for leaf in leaves)
+    return size * copies <= _GROUP_BYTES
+
+
+def is_group(spec) -> bool:
+    """Whether an iterator's elements are groups of batches (`grouped_array_pipeline`)."""
+    return isinstance(spec, dict) and tfdata.GROUP_STEPS in spec
+
+
 class _XlaGroup:
     """Up to N steps as one XLA program, for a model compiled with `jit_compile=True` on
     one replica.
@@ -119,21 +144,25 @@ class _XlaGroup:
     def __init__(self, model, step, strategy, reduce):
         self.model, self.step, self.strategy, self.reduce = model, step, strategy, reduce
         self.program = tf.function(self._run, jit_compile=True, reduce_retracing=True)
+        self._concrete = {}
         self.function = tf.function(self._group)
 
     def takes(self, spec, n: int) -> bool:
-        if self.strategy.num_replicas_in_sync != 1:
-            return False
-        leaves = tf.nest.flatten(spec)
-        if not all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
-            return False
-        if any(leaf.dtype == tf.string or not leaf.shape.is_fully_defined() for leaf in leaves):
-            return False
-        size = sum(leaf.shape.num_elements() * leaf.dtype.size for leaf in leaves)
-        return size * n <= _GROUP_BYTES
+        return self.strategy.num_replicas_in_sync == 1 and fits_one_program(spec, n)
 
     def __call__(self, iterator, n):
         return self.function(iterator, n)
+
+    def run_group(self, iterator):
+        """One element of a grouped pipeline (`tfdata.grouped_array_pipeline`): the group's
+        batches stacked already, read once, then run as one XLA program."""
+        element = next(iterator)
+        batches, count = element[tfdata.GROUP_BATCHES], element[tfdata.GROUP_STEPS]
+        spec = tuple(tf.nest.flatten(iterator.element_spec))
+        concrete = self._concrete.get(spec)
+        if concrete is None:
+            concrete = self._concrete[spec] = self.program.get_concrete_function(batches, count)
+        return concrete(batches, count)
 
     def _group(self, iterator, n):
         first = next(iterator)  # Out of range here ends the epoch, as Keras expects.

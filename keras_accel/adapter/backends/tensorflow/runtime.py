@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends.tensorflow import checks, cluster
-from keras_accel.adapter.backends.tensorflow.fused import fused_function
+from keras_accel.adapter.backends.tensorflow.fused import fits_one_program, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
 from keras_accel.adapter.backends.tensorflow.reduction import (
@@ -159,6 +159,32 @@ class Runtime(runtime.Runtime):
         distributed = self.distribute(pipeline, batches.plan.static_rows)
         return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
 
+    def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
+        """In-memory `batches` as one element per fused call (`GroupedBatches`), where the
+        call is one XLA program (`fused._XlaGroup`: one device, `jit_compile=True`, train
+        or test steps, N > 1, numbers of known shape within its byte limit), else None:
+        `wrap` then gives the batches one by one.
+
+        Read one by one, the batches cost the XLA program more than its steps: each read of
+        the iterator is an op of its own outside XLA (measured on 2 CPU cores, a 2-layer MLP
+        at batch 64: 32 reads 1.3 ms against 0.7 ms for the 32 steps)."""
+        from keras_accel.data import tfdata
+
+        if (
+            self.native is not None
+            or kind not in ("train", "test")
+            or steps_per_call < 2
+            or not isinstance(batches, ArrayBatches)
+            or preprocess is not None
+            or not model.jit_compile
+            or model.run_eagerly
+        ):
+            return None
+        groups = tfdata.ArrayGroups(batches, steps_per_call)
+        if not fits_one_program(groups.element_spec[tfdata.GROUP_BATCHES]):
+            return None
+        return GroupedBatches(groups, batches)
+
     def _keras_route(self, source, carry_mask: bool):
         """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
         Keras distributes it (`Accelerator.dataset`: as it says), else through Keras's own
@@ -307,6 +333,77 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     @property
     def batch_size(self):
         return self.adapter.batch_size
+
+
+class GroupedBatches(PaddedBatchesAdapter):
+    """Groups of padded batches (`keras_accel.data.tfdata.ArrayGroups`) as Keras's TF
+    trainer reads them: its epochs count `num_batches` steps, N per call, and our fused
+    function reads one group per call (`fused._XlaGroup.run_group`)."""
+
+    feeds = "TensorFlow's trainer"
+
+    def __init__(self, groups, batches):
+        self.groups = groups
+        self.batches = batches
+        self._reader = _GroupReader(groups, batches)
+
+    def get_tf_dataset(self):
+        return _Groups(self._reader)
+
+    @property
+    def num_batches(self):
+        return self.batches.plan.num_batches
+
+    def keras_accel_first_batch(self):
+        # What `Accelerator` builds the model from (`_first_batch`).
+        from keras_accel.data.batching import unpack
+
+        return unpack(self.groups.first_batch())
+
+
+class _Groups(tf.distribute.DistributedDataset):
+    """What Keras's TF epoch iterator iterates, each epoch (and again at each epoch's end):
+    the one reader of the call's groups (Keras takes a `DistributedDataset` as it is)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __iter__(self):
+        return self.reader
+
+    @property
+    def element_spec(self):
+        return self.reader.element_spec
+
+
+class _GroupReader:
+    """The groups of `batches`' current epoch, from one iterator for as long as the epochs
+    follow each other (`tfdata.ArrayGroups`): at an epoch's first group the epoch Keras is
+    in (`batches.epoch`, set at each epoch's start) is checked against the iterator's, and
+    a new iterator starts from Keras's where they differ and the order depends on it (a
+    resumed run's `initial_epoch`)."""
+
+    def __init__(self, groups, batches):
+        self.groups, self.batches = groups, batches
+        self.element_spec = groups.element_spec
+        self._iterator = None
+        self._epoch = None  # The epoch of the iterator's next group,
+        self._position = 0  # and its place in that epoch.
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        # Unshuffled batches (validation data) have one order: never a new iterator.
+        moved = self.batches.shuffle and self._epoch != self.batches.epoch
+        if self._iterator is None or (self._position == 0 and moved):
+            self._epoch = self.batches.epoch
+            self._iterator = self.groups.iterator(self._epoch)
+        element = next(self._iterator)
+        self._position += 1
+        if self._position == self.groups.groups_per_epoch:
+            self._position, self._epoch = 0, self._epoch + 1
+        return element
 
 
 def _owned(pipeline):
