@@ -349,6 +349,46 @@ class ArrayBatches:
             map_structure(take, self.x), map_structure(take, self.y), sw, plan.static_rows, factor
         )
 
+    def group(self, first: int, count: int) -> tuple[Any, Any, Any, Any]:
+        """Padded batches `first` to `first + count - 1` of the current epoch stacked on a
+        new first axis: the arrays `np.stack` of their `batch()` gives, gathered in one
+        `take` per array where every one of them is full (no padding), as an epoch's
+        batches are but for the last."""
+        plan = self.plan
+        real = plan.real_rows[first : first + count]
+        if not (len(real) == count and (real == plan.static_rows).all()):
+            return _stacked([self.batch(index) for index in range(first, first + count)])
+        rows = plan.batch_size  # Full batches: as many rows as the static size.
+        start = first * rows
+        indices = self.epoch_indices(self.epoch)[start : start + count * rows]
+
+        def take(a):
+            if self.shuffle:
+                a = np.take(a, indices, axis=0)
+            else:  # Contiguous rows: one copy, by the stack below.
+                a = np.asarray(a[indices[0] : indices[-1] + 1])
+            return np.array(a.reshape((count, rows) + a.shape[1:]))
+
+        weights = (
+            np.ones((count, rows), "float32")
+            if self.sample_weight is None
+            else take(self.sample_weight).astype("float32") * np.float32(1.0)
+        )
+        mask = np.ones((count, rows), "float32")
+        return map_structure(take, self.x), map_structure(take, self.y), weights, mask
+
+
+def _stacked(batches: list) -> Any:
+    """Batches of one structure as that structure, each array the batches' arrays stacked."""
+    first = batches[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {key: _stacked([batch[key] for batch in batches]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_stacked([batch[i] for batch in batches]) for i in range(len(first)))
+    return np.stack(batches)
+
 
 def sample_batch(batches) -> tuple[Any, Any, Any, Any]:
     """The first padded batch of `batches` as numpy: `(x, y, sample_weight, row_mask)`.

@@ -394,6 +394,27 @@ class Runtime(runtime.Runtime):
 
         return keras.tree.map_structure(put, batch)
 
+    def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
+        """In-memory `batches` a group of `steps_per_call` at a time (`data.groups`), where
+        our grouped step function reads them (N > 1 train or test steps, compiled) on one
+        CPU device, else None: `wrap` gives them one by one. Off the CPU the batches go
+        one at a time, placed one batch ahead (`OneBatchAhead`)."""
+        from keras_accel.data.groups import ArrayGroupPasses
+
+        if (
+            not self._one_cpu_device()
+            or kind not in ("train", "test")
+            or steps_per_call < 2
+            or not isinstance(batches, ArrayBatches)
+            or preprocess is not None
+            or not model.jit_compile
+            or model.run_eagerly
+            or self.process_rows(batches.plan.static_rows) is not None
+            or not _numeric(batches)
+        ):
+            return None
+        return ArrayGroupPasses(batches, steps_per_call)
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         if preprocess is None:
             _refuse_text(batches)
@@ -464,6 +485,13 @@ def _install_replicated_predictions(patches: Patches, model, distribution) -> No
         return outputs, non_trainable_variables
 
     patches.set(model, "predict_step", predict_step)
+
+
+def _numeric(batches) -> bool:
+    """Whether every array of `batches` is a numpy array of numbers (not text, not sparse)."""
+    leaves = flatten((batches.x, batches.y, batches.sample_weight))
+    arrays = [leaf for leaf in leaves if leaf is not None]
+    return all(isinstance(a, np.ndarray) and a.dtype.kind in "biuf" for a in arrays)
 
 
 def _refuse_text(batches) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 from keras import distribution as distribution_lib
 
 from keras_accel.data.batching import same_rows
+from keras_accel.data.groups import StackedGroup
 from keras_accel.utils import keras_internals
 
 KINDS = ("train", "test", "predict")
@@ -128,7 +129,10 @@ class GroupedSteps:
     def __call__(self, state, iterator):
         n = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
         first = next(iterator)  # StopIteration here ends the epoch, as in Keras.
-        if self.super_batches and not keras_internals.is_partial_batch_list(first):
+        if isinstance(first, StackedGroup):  # Gathered a group at a time (`data.groups`).
+            group, real = first.batches, first.count
+            batches = None
+        elif self.super_batches and not keras_internals.is_partial_batch_list(first):
             # Keras 3.16 stacks the group itself (`super_batch_iterator`) and places it.
             group, real = first, _leading(first)
             batches = None
