@@ -365,9 +365,9 @@ class ArrayBatches:
         def take(a):
             if self.shuffle:
                 a = np.take(a, indices, axis=0)
-            else:  # Contiguous rows: one copy, by the stack below.
-                a = np.asarray(a[indices[0] : indices[-1] + 1])
-            return np.array(a.reshape((count, rows) + a.shape[1:]))
+            else:  # Contiguous rows: copied, as stacking the batches copied them.
+                a = np.array(a[indices[0] : indices[-1] + 1])
+            return a.reshape((count, rows) + a.shape[1:])
 
         weights = (
             np.ones((count, rows), "float32")
