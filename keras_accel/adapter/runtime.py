@@ -123,6 +123,22 @@ class Runtime:
         backend reads a whole call's steps at once, else None (`wrap`)."""
         return None
 
+    @staticmethod
+    def groups_arrays(batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
+        """Whether a call's steps can read `batches` a group at a time: in-memory arrays
+        without preprocessing, N > 1 train or test steps of a compiled model (whose step
+        function is ours and reads a whole group)."""
+        from keras_accel.data.sources import ArrayBatches
+
+        return (
+            kind in ("train", "test")
+            and steps_per_call > 1
+            and isinstance(batches, ArrayBatches)
+            and preprocess is None
+            and bool(model.jit_compile)
+            and not model.run_eagerly
+        )
+
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         """What `model.fit` takes for the feeder's `batches`."""
         raise NotImplementedError(f"{type(self).__name__}.wrap")

@@ -313,11 +313,6 @@ class ArrayGroups:
         self._first.assign(epoch * self.groups_per_epoch)
         return iter(self.dataset)
 
-    def first_batch(self):
-        """The first batch of the current order, as the pipeline gives it."""
-        element = next(iter(self.dataset.take(1)))
-        return tf.nest.map_structure(lambda t: t[0], element[GROUP_BATCHES])
-
 
 def _with_array_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()

@@ -403,12 +403,7 @@ class Runtime(runtime.Runtime):
 
         if (
             not self._one_cpu_device()
-            or kind not in ("train", "test")
-            or steps_per_call < 2
-            or not isinstance(batches, ArrayBatches)
-            or preprocess is not None
-            or not model.jit_compile
-            or model.run_eagerly
+            or not self.groups_arrays(batches, model, kind, steps_per_call, preprocess)
             or self.process_rows(batches.plan.static_rows) is not None
             or not _numeric(batches)
         ):
