@@ -4,8 +4,9 @@ Keras's fit loop calls the step function once per N steps, and ours (`keras_acce
 backends.jax_groups.GroupedSteps`) then reads N batches from the iterator and stacks them.
 On one CPU device each of those batches came through Keras's `PyDataset` adapter (its
 queue, its thread, one `take` and one padding per batch) and the stack copied them once
-more. Here the iterator yields a whole group (`StackedGroup`): its batches gathered from the
-arrays in one `take` per array (`ArrayBatches.group`): the same arrays, rows and order.
+more. Here the iterator yields a whole group (a `StackedGroup`; on Keras 3.16, which stacks
+groups itself, its stacked arrays), its batches gathered from the arrays in one `take` per
+array (`ArrayBatches.group`): the same arrays, rows and order.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ class ArrayGroupPasses(PaddedBatchesAdapter):
 
     def get_jax_iterator(self, super_batch=None):
         # Keras 3.16 asks for groups of `super_batch` (the model's steps_per_execution, our
-        # `steps`); ours are those, in our own form, which only our step function reads.
+        # `steps`) and places each element itself (a tree of arrays): the stacked batches
+        # as they are, which our step function takes as a group of their leading length.
+        # Keras 3.15 passes each element on untouched: a `StackedGroup`.
         total, static = len(self.batches), self.batches.plan.static_rows
         for first in range(0, total, self.steps):
             count = min(self.steps, total - first)
-            group = self.batches.group(first, count)
-            yield StackedGroup(element(group, True, None, static), count)
+            stacked = element(self.batches.group(first, count), True, None, static)
+            yield stacked if super_batch else StackedGroup(stacked, count)
