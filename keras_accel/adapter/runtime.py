@@ -125,18 +125,27 @@ class Runtime:
 
     @staticmethod
     def groups_arrays(batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
-        """Whether a call's steps can read `batches` a group at a time: in-memory arrays
-        without preprocessing, N > 1 train or test steps of a compiled model (whose step
-        function is ours and reads a whole group)."""
+        """Whether a call's steps can read `batches` a group at a time: in-memory numpy
+        arrays of numbers (no text, nothing sparse) without preprocessing, N > 1 train or
+        test steps of a compiled model (whose step function is ours and reads a whole
+        group)."""
+        import numpy as np
+
+        from keras_accel.data.batching import flatten
         from keras_accel.data.sources import ArrayBatches
 
-        return (
+        if not (
             kind in ("train", "test")
             and steps_per_call > 1
             and isinstance(batches, ArrayBatches)
             and preprocess is None
             and bool(model.jit_compile)
             and not model.run_eagerly
+        ):
+            return False
+        arrays = flatten((batches.x, batches.y, batches.sample_weight))
+        return all(
+            isinstance(a, np.ndarray) and a.dtype.kind in "biuf" for a in arrays if a is not None
         )
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):

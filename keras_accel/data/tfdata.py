@@ -275,7 +275,6 @@ class ArrayGroups:
     two per epoch."""
 
     def __init__(self, batches: ArrayBatches, steps: int):
-        self.steps = steps
         self.groups_per_epoch = -(-len(batches) // steps)
         leaves, seed, _, real_rows = _array_sources(batches, epoch_variable=False)
         load = _group_loader(batches, leaves, real_rows, seed, None, carry_mask=True)

@@ -42,7 +42,10 @@ def test_a_group_is_its_batches_stacked(shuffle, weighted):
             np.testing.assert_array_equal(got_leaf, want_leaf)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="JAX's grouped steps on one CPU device")
+@pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="JAX's grouped steps (TensorFlow's: tests/adapter/test_tf_speed_xla_groups.py)",
+)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_training_on_groups_gives_the_weights_of_batches_one_by_one(monkeypatch):
     from keras_accel import Accelerator

@@ -405,7 +405,6 @@ class Runtime(runtime.Runtime):
             not self._one_cpu_device()
             or not self.groups_arrays(batches, model, kind, steps_per_call, preprocess)
             or self.process_rows(batches.plan.static_rows) is not None
-            or not _numeric(batches)
         ):
             return None
         return ArrayGroupPasses(batches, steps_per_call)
@@ -480,13 +479,6 @@ def _install_replicated_predictions(patches: Patches, model, distribution) -> No
         return outputs, non_trainable_variables
 
     patches.set(model, "predict_step", predict_step)
-
-
-def _numeric(batches) -> bool:
-    """Whether every array of `batches` is a numpy array of numbers (not text, not sparse)."""
-    leaves = flatten((batches.x, batches.y, batches.sample_weight))
-    arrays = [leaf for leaf in leaves if leaf is not None]
-    return all(isinstance(a, np.ndarray) and a.dtype.kind in "biuf" for a in arrays)
 
 
 def _refuse_text(batches) -> None:

@@ -118,11 +118,16 @@ def fits_one_program(spec, copies: int = 1) -> bool:
     if any(leaf.dtype == tf.string or not leaf.shape.is_fully_defined() for leaf in leaves):
         return False
     size = sum(leaf.shape.num_elements() * leaf.dtype.size for leaf in leaves)
-    return size * copies <= _GROUP_BYTES
+    return fits_group_bytes(size * copies)
+
+
+def fits_group_bytes(size: int) -> bool:
+    """Whether a group of `size` bytes is within the XLA group program's limit."""
+    return size <= _GROUP_BYTES
 
 
 def is_group(spec) -> bool:
-    """Whether an iterator's elements are groups of batches (`grouped_array_pipeline`)."""
+    """Whether an iterator's elements are groups of batches (`tfdata.ArrayGroups`)."""
     return isinstance(spec, dict) and tfdata.GROUP_STEPS in spec
 
 
@@ -154,7 +159,7 @@ class _XlaGroup:
         return self.function(iterator, n)
 
     def run_group(self, iterator):
-        """One element of a grouped pipeline (`tfdata.grouped_array_pipeline`): the group's
+        """One element of a grouped pipeline (`tfdata.ArrayGroups`): the group's
         batches stacked already, read once, then run as one XLA program."""
         element = next(iterator)
         batches, count = element[tfdata.GROUP_BATCHES], element[tfdata.GROUP_STEPS]

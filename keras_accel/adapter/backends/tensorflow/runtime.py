@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends.tensorflow import checks, cluster
-from keras_accel.adapter.backends.tensorflow.fused import fits_one_program, fused_function
+from keras_accel.adapter.backends.tensorflow.fused import fits_group_bytes, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
 from keras_accel.adapter.backends.tensorflow.reduction import (
@@ -23,6 +23,7 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
+from keras_accel.data.batching import flatten
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals, library_internals
@@ -174,10 +175,15 @@ class Runtime(runtime.Runtime):
             batches, model, kind, steps_per_call, preprocess
         ):
             return None
-        groups = tfdata.ArrayGroups(batches, steps_per_call)
-        if not fits_one_program(groups.element_spec[tfdata.GROUP_BATCHES]):
+        # Known before the pipeline is built (its arrays copied, its function traced): a
+        # group's bytes, the weights and the row mask as float32.
+        static = batches.plan.static_rows
+        weights = batches.sample_weight
+        row = sum(a.itemsize * a[:1].size for a in flatten((batches.x, batches.y)) if a is not None)
+        row += 4 * (1 if weights is None else weights[:1].size) + 4
+        if not fits_group_bytes(steps_per_call * static * row):
             return None
-        return GroupedBatches(groups, batches)
+        return GroupedBatches(tfdata.ArrayGroups(batches, steps_per_call), batches)
 
     def _keras_route(self, source, carry_mask: bool):
         """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
@@ -337,7 +343,6 @@ class GroupedBatches(PaddedBatchesAdapter):
     feeds = "TensorFlow's trainer"
 
     def __init__(self, groups, batches):
-        self.groups = groups
         self.batches = batches
         self._reader = _GroupReader(groups, batches)
 
