@@ -246,7 +246,11 @@ def _worker(rank: int, world: int, port: int, one: str, two: str, report: str) -
     last = torch_dcp.Engine(os.path.join(os.path.dirname(report), "three"), 2, False)
     last.save(1, state, {})
     if rank == 1:
-        return  # Never comes to the delete_all below.
+        # Never comes to the delete_all below: it leaves as a crashed process does, its
+        # sockets closed by the kernel. Not a normal interpreter exit: that tears down the
+        # process group (never destroyed) while process 0 is inside the barrier, which once
+        # hung past the barrier's timeout and ended in `terminate` (CI, 2026-12-06).
+        os._exit(0)
     started = time.monotonic()
     try:
         last.delete_all()
