@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends, fusion, layouts
+from keras_accel.adapter import backends, callback_list, fusion, layouts
 from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.guard import RecompileGuard
@@ -681,8 +681,14 @@ class Accelerator:
                 verbose=verbose,
                 # Rows are shuffled per epoch by our batches; Keras must keep their order.
                 shuffle=False,
-                callbacks=fusion.progress(
-                    [sync, *(callbacks or []), *self._own_callbacks()], verbose
+                callbacks=callback_list.for_call(
+                    model,
+                    fusion.progress([sync, *(callbacks or []), *self._own_callbacks()], verbose),
+                    train_data,
+                    verbose=verbose,
+                    epochs=epochs,
+                    steps=steps_per_epoch,
+                    history=True,
                 ),
                 validation_data=None
                 if val is None
@@ -732,7 +738,13 @@ class Accelerator:
                 data,
                 verbose=verbose,
                 steps=steps,
-                callbacks=fusion.progress(self._with_own(callbacks), verbose),
+                callbacks=callback_list.for_call(
+                    model,
+                    fusion.progress(self._with_own(callbacks), verbose),
+                    data,
+                    verbose=verbose,
+                    steps=steps,
+                ),
                 return_dict=return_dict,
             )
         self.guard.mark_warm(model, "test")
@@ -774,7 +786,13 @@ class Accelerator:
                 data,
                 verbose=verbose,
                 steps=steps,
-                callbacks=fusion.progress(self._with_own(callbacks), verbose),
+                callbacks=callback_list.for_call(
+                    model,
+                    fusion.progress(self._with_own(callbacks), verbose),
+                    data,
+                    verbose=verbose,
+                    steps=steps,
+                ),
             )
         self.guard.mark_warm(model, "predict")
         # Each batch's row mask came back beside its outputs: keep the real rows.
