@@ -176,3 +176,24 @@ def test_keras_accel_torch_compile_0_never_compiles(compiled, monkeypatch):
     x, y, w = _data()
     acc.fit(ours, x, y, sample_weight=w, batch_size=BATCH, epochs=1, verbose=0)
     assert ours not in compiled._PROGRAMS
+
+
+def test_the_gradients_keras_s_step_applies_are_recorded_and_the_optimizer_left_as_it_was(
+    compiled,
+):
+    """Which weights get no gradient is read from what Keras's eager step hands its
+    optimizer (Keras 3.16's step under `jit_compile=True` leaves every `.grad` None)."""
+    import torch
+
+    optimizer = keras.optimizers.SGD(0.5)
+    a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(1, "float32"))
+    optimizer.build([a, b])
+    with compiled._gradients_applied(optimizer) as applied:
+        optimizer.apply((torch.full((2,), 2.0), None), [a, b])
+    assert "apply" not in vars(optimizer)  # The class's own method again.
+    assert len(applied) == 1 and applied[0][1] == [a, b] and applied[0][0][1] is None
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(a.value), [0.0, 0.0])  # It ran.
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(b.value), [1.0])
+    with compiled._gradients_applied(None) as nothing:
+        pass
+    assert nothing == []

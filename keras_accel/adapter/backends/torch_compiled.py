@@ -32,6 +32,7 @@ whose Python it cannot trace, such as Keras's torch random ops, which seed a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 import warnings
@@ -132,16 +133,54 @@ class CompiledStep:
             return self._eager(model, data)
 
     def _eager(self, model, data):
-        result = self.eager(data)
+        # Which weights Keras's eager step gives no gradient (None, where the loss does not
+        # reach them); `torch.func` would give them zeros, which Adam's moments would still
+        # move. Read from the gradients Keras's step hands its optimizer: Keras 3.15 takes
+        # them from `.grad` after `backward()`, 3.16 from `torch.autograd.grad` under
+        # `jit_compile=True`, which leaves every `.grad` None.
+        record = self.kind == "train" and self.no_gradient is None and model is not None
+        with _gradients_applied(model.optimizer if record else None) as applied:
+            result = self.eager(data)
         self.eager_steps += 1
         if model is not None:
             counts = _EAGER_STEPS.setdefault(model, {})
             counts[self.kind] = counts.get(self.kind, 0) + 1
-        if self.kind == "train" and self.no_gradient is None and model is not None:
-            # Keras's eager step leaves `grad` None on a weight the loss does not reach;
-            # `torch.func` would give it zeros, which Adam's moments would still move.
-            self.no_gradient = tuple(v.value.grad is None for v in model.trainable_variables)
+        if record:
+            variables = model.trainable_variables
+            if applied:
+                missing = {id(v) for g, v in zip(*applied[0]) if g is None}
+                given = {id(v) for v in applied[0][1]}
+                self.no_gradient = tuple(id(v) in missing or id(v) not in given for v in variables)
+            else:  # No `apply` seen (no optimizer step ran): what `backward()` left.
+                self.no_gradient = tuple(v.value.grad is None for v in variables)
         return result
+
+
+@contextlib.contextmanager
+def _gradients_applied(optimizer):
+    """Within: each `optimizer.apply(grads, variables)` call's lists, recorded in the list
+    yielded (the optimizer's own `apply` still runs). The optimizer is as it was after."""
+    applied: list = []
+    if optimizer is None:
+        yield applied
+        return
+    had = "apply" in vars(optimizer)
+    own = vars(optimizer).get("apply")
+    original = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        if trainable_variables is not None:
+            applied.append((list(grads), list(trainable_variables)))
+        return original(grads, trainable_variables)
+
+    optimizer.apply = apply
+    try:
+        yield applied
+    finally:
+        if had:
+            optimizer.apply = own
+        else:
+            del optimizer.apply
 
 
 def _variable_groups(model) -> list[list]:
