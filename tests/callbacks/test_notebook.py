@@ -161,3 +161,61 @@ def test_a_fit_running_in_another_thread_keeps_its_directory(tmp_path):
         hold.release.set()
         thread.join(120)
     assert not errors and not os.path.exists(directory)
+
+
+class StopInside(keras.callbacks.Callback):
+    """Ctrl-C at the end of batch `batch` of epoch `epoch`, taking groups of fused steps of
+    any size (`fusion_period`), so that it stops a grouped fit between two groups."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def fusion_period(self, kind, steps):
+        return None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt("stopped")
+
+
+@pytest.mark.torch
+def test_a_grouped_fit_stopped_mid_epoch_resumes_as_the_uninterrupted_fit(tmp_path):
+    """One device, where the steps read their batches a group at a time (JAX from arrays,
+    TensorFlow with XLA, torch N steps per call), shuffled: Ctrl-C between two groups of an
+    epoch, a rebuilt model, and the resumed fit (its replay of the epoch's first group) ends
+    with the weights of the fit that was never stopped."""
+    x, y = data(120)  # 8 batches an epoch, the last one padded; groups of 4 (save_freq).
+    jit = True if keras.backend.backend() == "tensorflow" else "auto"
+
+    def model(acc):
+        with acc.scope():
+            built = compiled_mlp(optimizer="adam", dropout=True)
+            built.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=jit)
+        return built
+
+    kwargs = dict(batch_size=BATCH, epochs=3, verbose=0)
+    acc = Accelerator(seed=0, devices=1)
+    reference = model(acc)
+    acc.fit(reference, x, y, **kwargs)
+
+    acc = Accelerator(seed=0, devices=1)
+    directory = str(tmp_path / "backup")
+    stopped = model(acc)
+    with pytest.raises(KeyboardInterrupt):
+        acc.fit(
+            stopped,
+            x,
+            y,
+            callbacks=[BackupAndRestore(directory, save_freq=4), StopInside(1, 3)],
+            **kwargs,
+        )
+    assert stopped.steps_per_execution == 1  # The model's own setting back after the stop.
+    again = model(acc)
+    history = acc.fit(again, x, y, callbacks=[BackupAndRestore(directory, save_freq=4)], **kwargs)
+    assert history.epoch == [1, 2]
+    for got, want in zip(again.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
