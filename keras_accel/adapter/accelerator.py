@@ -550,6 +550,13 @@ class Accelerator:
             )
         return [*(callbacks or []), *own]
 
+    def _call_callbacks(self, model, callbacks, data, verbose, steps):
+        """The callbacks Keras's `evaluate` or `predict` gets: the user's and the runtime's,
+        our progress bar where Keras would add its own, in our CallbackList where `data` is
+        one of our adapters (`callback_list.for_call`)."""
+        callbacks = fusion.progress(self._with_own(callbacks), verbose)
+        return callback_list.for_call(model, callbacks, data, verbose=verbose, steps=steps)
+
     def _fuse(
         self, model, kind: str, steps, callbacks, verbose, validating=False, divides=None
     ) -> int:
@@ -738,13 +745,7 @@ class Accelerator:
                 data,
                 verbose=verbose,
                 steps=steps,
-                callbacks=callback_list.for_call(
-                    model,
-                    fusion.progress(self._with_own(callbacks), verbose),
-                    data,
-                    verbose=verbose,
-                    steps=steps,
-                ),
+                callbacks=self._call_callbacks(model, callbacks, data, verbose, steps),
                 return_dict=return_dict,
             )
         self.guard.mark_warm(model, "test")
@@ -786,13 +787,7 @@ class Accelerator:
                 data,
                 verbose=verbose,
                 steps=steps,
-                callbacks=callback_list.for_call(
-                    model,
-                    fusion.progress(self._with_own(callbacks), verbose),
-                    data,
-                    verbose=verbose,
-                    steps=steps,
-                ),
+                callbacks=self._call_callbacks(model, callbacks, data, verbose, steps),
             )
         self.guard.mark_warm(model, "predict")
         # Each batch's row mask came back beside its outputs: keep the real rows.
