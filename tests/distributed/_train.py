@@ -28,6 +28,7 @@ see which process wrote what.
 """
 
 import argparse
+import atexit
 import os
 import signal
 import time
@@ -62,11 +63,30 @@ from keras_accel.callbacks import (  # noqa: E402
 )
 from keras_accel.state import files  # noqa: E402
 
+_EXIT = {}  # The process index, once known.
+
+
+def _at_exit():
+    # Registered before the Accelerator's own exit handler, so run after it: on torch, the
+    # process group it joined must be gone by then (torch's own teardown of it aborts now
+    # and then). Written for test_multi_process.
+    if keras.backend.backend() == "torch" and "me" in _EXIT:
+        import json
+
+        import torch.distributed as dist
+
+        path = os.path.join(args.workdir, f"exit-{_EXIT['me']}.json")
+        with open(path, "w") as f:
+            json.dump({"initialized": dist.is_initialized()}, f)
+
+
+atexit.register(_at_exit)
 # The Accelerator first: a multi-process run joins its cluster before anything computes.
 acc = Accelerator(
     seed=0, devices=args.devices, **({"strategy": args.strategy} if args.strategy else {})
 )
 me = acc.process_index
+_EXIT["me"] = me
 log = os.path.join(args.workdir, f"writes-{me}.txt")
 for module, name in (
     (files, "write_atomic"),

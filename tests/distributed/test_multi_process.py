@@ -135,6 +135,15 @@ def test_processes_agree_and_match_one_process(run, reference):
     np.testing.assert_allclose(first["predictions"], reference["predictions"], atol=10 * TOLERANCE)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's process group")
+def test_the_process_group_is_destroyed_at_exit(run):
+    """Before the interpreter's teardown, which otherwise destroys gloo's threads while it
+    frees what they hold and now and then aborts a process that has finished its work."""
+    for process in range(PROCESSES):
+        with open(run / f"exit-{process}.json") as f:
+            assert json.load(f) == {"initialized": False}
+
+
 def test_backup_and_restore_at_its_defaults_ends_on_every_process(run):
     """Deleting the backups at the end of fit is collective on Orbax (every process meets
     the others there): the chief alone reaching it hung the run, or failed with

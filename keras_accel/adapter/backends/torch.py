@@ -27,6 +27,7 @@ With one process (no process group) the runtime is one device and adds nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -120,6 +121,11 @@ def connect(cluster) -> None:
             rank=cluster.process_id,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )
+        # Ended by us before the interpreter's own teardown, which otherwise destroys
+        # gloo's threads while it frees the tensors they hold and aborts the process now
+        # and then (SIGABRT, "terminate called without an active exception", after the
+        # script's last line; seen under `keras-accel launch -n 2`; pytorch/pytorch#190489).
+        atexit.register(_destroy_at_exit)
     except process.StoreUnanswered:
         raise
     except Exception as error:  # torch's DistStoreError, RuntimeError: the text says which.
@@ -140,6 +146,19 @@ def connect(cluster) -> None:
                 "raise KERAS_ACCEL_HEARTBEAT_TIMEOUT."
             ) from error
         raise
+
+
+def _destroy_at_exit() -> None:
+    """The process group this process joined, destroyed at the interpreter's exit (after its
+    threads, a background save's included, were joined); nothing if the script did it."""
+    dist = _dist()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # An exit must not fail on it: say it, go on.
+            warnings.warn(
+                f"keras_accel: destroying the process group at exit: {error!r}", stacklevel=1
+            )
 
 
 def agree_seed(seed: int | None) -> int:
