@@ -197,3 +197,17 @@ def test_the_gradients_keras_s_step_applies_are_recorded_and_the_optimizer_left_
     with compiled._gradients_applied(None) as nothing:
         pass
     assert nothing == []
+
+
+def test_weights_without_a_gradient_in_every_apply_of_the_step(compiled):
+    """A step may apply gradients in several calls (each with some weights): a weight has
+    one if any call gave it one. Without the calls' variables, `.grad` decides, and where it
+    is all None (Keras 3.16's `torch.autograd.grad`) every weight is taken to have one."""
+    a, b, c = (keras.Variable(np.ones(2, "float32")) for _ in range(3))
+    one = np.ones(2, "float32")
+    applied = [([one, None], [a, b]), ([None], [c])]
+    assert compiled._no_gradient([a, b, c], applied) == (False, True, True)
+    applied.append(([one], [b]))
+    assert compiled._no_gradient([a, b, c], applied) == (False, False, True)
+    assert compiled._no_gradient([a, b, c], [([one, one, one], None)]) == (False, False, False)
+    assert compiled._no_gradient([a, b, c], []) == (False, False, False)

@@ -146,20 +146,27 @@ class CompiledStep:
             counts = _EAGER_STEPS.setdefault(model, {})
             counts[self.kind] = counts.get(self.kind, 0) + 1
         if record:
-            variables = model.trainable_variables
-            if applied:
-                missing = {id(v) for g, v in zip(*applied[0]) if g is None}
-                given = {id(v) for v in applied[0][1]}
-                self.no_gradient = tuple(id(v) in missing or id(v) not in given for v in variables)
-            else:  # No `apply` seen (no optimizer step ran): what `backward()` left.
-                self.no_gradient = tuple(v.value.grad is None for v in variables)
+            self.no_gradient = _no_gradient(model.trainable_variables, applied)
         return result
+
+
+def _no_gradient(variables, applied) -> tuple[bool, ...]:
+    """For each of `variables`, whether the optimizer's `apply` calls `applied` (a step may
+    make several, each with some of the weights) never gave it a gradient. Where a call did
+    not say its variables (`apply(grads)`: the optimizer's own list) or none was made, what
+    `backward()` left in `.grad`, if it left anything; else every weight has one."""
+    if applied and all(listed is not None for _, listed in applied):
+        given = {id(v) for grads, listed in applied for g, v in zip(grads, listed) if g is not None}
+        return tuple(id(v) not in given for v in variables)
+    left = tuple(v.value.grad is None for v in variables)
+    return left if not all(left) else tuple(False for _ in variables)
 
 
 @contextlib.contextmanager
 def _gradients_applied(optimizer):
-    """Within: each `optimizer.apply(grads, variables)` call's lists, recorded in the list
-    yielded (the optimizer's own `apply` still runs). The optimizer is as it was after."""
+    """Within: each `optimizer.apply(grads, variables)` call's lists (variables None where
+    not given), recorded in the list yielded (the optimizer's own `apply` still runs). The
+    optimizer is as it was after."""
     applied: list = []
     if optimizer is None:
         yield applied
@@ -169,8 +176,8 @@ def _gradients_applied(optimizer):
     original = optimizer.apply
 
     def apply(grads, trainable_variables=None):
-        if trainable_variables is not None:
-            applied.append((list(grads), list(trainable_variables)))
+        listed = None if trainable_variables is None else list(trainable_variables)
+        applied.append((list(grads), listed))
         return original(grads, trainable_variables)
 
     optimizer.apply = apply
