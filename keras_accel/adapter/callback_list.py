@@ -72,7 +72,7 @@ def for_call(model, callbacks, data, *, verbose, epochs: int = 1, steps=None, hi
     are a `CallbackList` already."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
-    if not isinstance(data, PaddedBatchesAdapter):
+    if not isinstance(data, PaddedBatchesAdapter) or getattr(data, "counts_lazily", False):
         return callbacks
     return CallbackList(
         callbacks,

@@ -222,3 +222,66 @@ def test_for_call_passes_other_data_and_a_user_s_list_as_they_are():
     assert callback_list.for_call(model, callbacks, _data(), verbose=0) is callbacks
     given = keras.callbacks.CallbackList(callbacks)
     assert callback_list.for_call(model, given, object(), verbose=0) is given
+
+
+def test_a_fit_whose_batch_hooks_are_skipped_logs_what_keras_s_list_logs(monkeypatch):
+    x, y = _data()
+
+    def call(acc):
+        model = _model(acc)
+        seen = EpochsOnly()
+        history = acc.fit(
+            model,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            validation_data=_data(20, 1),
+            callbacks=[seen],
+        )
+        return seen.logs, history.history, [w.tolist() for w in model.get_weights()]
+
+    ours, keras_own = _both_ways(monkeypatch, call)
+    assert ours == keras_own and len(ours[0]) == 2 and "val_loss" in ours[0][0]
+
+
+class _Counted(callback_list.PaddedBatchesAdapter):
+    def __init__(self, batches, lazily=False):
+        self.batches, self.counts_lazily = batches, lazily
+
+    @property
+    def num_batches(self):
+        return self.batches
+
+
+@pytest.mark.parametrize(
+    "limit, steps, batches, want",
+    [
+        (None, None, 11, 11),
+        (None, 8, 11, 8),
+        (5, None, 11, 5),
+        (5, 8, 11, 5),
+        (9, 3, 11, 3),
+        (None, None, None, None),
+    ],
+)
+def test_keras_s_step_count(limit, steps, batches, want):
+    """`EpochIterator.num_batches` of Keras 3.15: `steps` (clamped by the limit), else the
+    adapter's count (None: unknown until an epoch ends)."""
+    previous = keras.config.max_steps_per_epoch()
+    keras.config.set_max_steps_per_epoch(limit)
+    try:
+        assert callback_list._keras_steps(_Counted(batches), steps) == want
+    finally:
+        keras.config.set_max_steps_per_epoch(previous)
+
+
+def test_an_adapter_that_counts_only_inside_keras_s_call_keeps_keras_s_list():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    callbacks = [EpochsOnly()]
+    assert (
+        callback_list.for_call(model, callbacks, _Counted(4, lazily=True), verbose=0) is callbacks
+    )
+    made = callback_list.for_call(model, callbacks, _Counted(4), verbose=0, epochs=3)
+    assert isinstance(made, callback_list.CallbackList) and made.params["steps"] == 4

@@ -291,6 +291,9 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     (`keras_accel.adapter.accelerator._first_batch`)."""
 
     feeds = "TensorFlow's trainer"
+    # Its batch count is Keras's adapter's, made inside Keras's call: our CallbackList
+    # (which would ask before) leaves these calls to Keras's own (`callback_list.for_call`).
+    counts_lazily = True
 
     def __init__(self, source, strategy):
         self.keras_accel_local = source
