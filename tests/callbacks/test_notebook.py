@@ -169,7 +169,7 @@ class StopInside(keras.callbacks.Callback):
 
     def __init__(self, epoch, batch):
         super().__init__()
-        self.at, self.epoch = (epoch, batch), None
+        self.at, self.epoch, self.seen = (epoch, batch), None, []
 
     def fusion_period(self, kind, steps):
         return None
@@ -178,6 +178,7 @@ class StopInside(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((self.epoch, batch))
         if (self.epoch, batch) == self.at:
             raise KeyboardInterrupt("stopped")
 
@@ -204,15 +205,10 @@ def test_a_grouped_fit_stopped_mid_epoch_resumes_as_the_uninterrupted_fit(tmp_pa
 
     acc = Accelerator(seed=0, devices=1)
     directory = str(tmp_path / "backup")
-    stopped = model(acc)
+    stopped, stop = model(acc), StopInside(1, 3)
     with pytest.raises(KeyboardInterrupt):
-        acc.fit(
-            stopped,
-            x,
-            y,
-            callbacks=[BackupAndRestore(directory, save_freq=4), StopInside(1, 3)],
-            **kwargs,
-        )
+        acc.fit(stopped, x, y, callbacks=[BackupAndRestore(directory, save_freq=4), stop], **kwargs)
+    assert stop.seen == [(0, 3), (0, 7), (1, 3)]  # Groups of 4 steps, stopped between two.
     assert stopped.steps_per_execution == 1  # The model's own setting back after the stop.
     again = model(acc)
     history = acc.fit(again, x, y, callbacks=[BackupAndRestore(directory, save_freq=4)], **kwargs)
