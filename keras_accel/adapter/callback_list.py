@@ -6,10 +6,10 @@ whether or not a callback does anything there: on JAX it hands each batch end to
 pool, whose thread converts the logs to Python numbers (waiting for the device), and on
 TensorFlow and torch it converts them on the main thread (a host sync per call). With
 Keras's defaults (`History`, no progress bar at `verbose=0`) no callback has a batch hook,
-and that work is all the hooks do: 7% of a small model's epoch on JAX, 4% with XLA on
-TensorFlow (benchmarks/hand_loop.py, docs/benchmarks.md). tf.keras skipped such hooks the
-same way (its `_should_call_train_batch_hooks`). A list with one callback that implements a
-hook dispatches that hook as Keras does, to every callback.
+and that work is all the hooks do: 5% of a small model's epoch on JAX and with XLA on
+TensorFlow, 2% on torch (benchmarks/hand_loop.py, docs/benchmarks.md). tf.keras skipped
+such hooks the same way (its `_should_call_train_batch_hooks`). A list with one callback
+that implements a hook dispatches that hook as Keras does, to every callback.
 
 Our list is made with the arguments Keras's trainers give their own (`add_history` in `fit`,
 a progress bar where `verbose` is on, `epochs`, `steps` as Keras's epoch iterator counts
