@@ -8,6 +8,12 @@ prints the median seconds per epoch after warm-up epochs, and the scaling: one p
 time over two processes' (above 1: two are faster).
 
     python benchmarks/torch_processes.py [--steps 1024] [--rounds 3] [--warmup 3]
+        [--metrics accuracy ...]
+
+Each run alternates two kinds of epoch: as the benchmark's fits run (verbose=0: no process
+reads a step's logs, so over processes only each epoch's results are reduced) and with a
+batch hook on the chief (as a progress bar has), where every process reduces each step's
+metrics for its logs.
 
 What it shows on a 2-core CPU host is the per-step cost of several processes (gloo's
 all-reduce, each process's eager step: the compiled step runs in one process only), not
@@ -50,20 +56,32 @@ def child(args) -> None:
                 keras.layers.Dense(10, activation="softmax"),
             ]
         )
-        model.compile(keras.optimizers.Adam(1e-3), "categorical_crossentropy")
-    times, loss = [], None
+        model.compile(
+            keras.optimizers.Adam(1e-3), "categorical_crossentropy", metrics=args.metrics or None
+        )
+    # A batch hook of the chief's (as a progress bar has) makes every process reduce each
+    # step's metrics for its logs; without one, only the epoch's results are reduced. The
+    # two alternate, epoch by epoch, so that both see the same load.
+    hook = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    modes = {"plain": [], "hooked": [hook] if acc.process_index == 0 else []}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    loss = None
     for epoch in range(args.warmup + args.rounds):
-        started = time.perf_counter()
-        history = acc.fit(model, x, y, batch_size=args.batch, epochs=1, verbose=0)
-        if epoch >= args.warmup:
-            times.append(time.perf_counter() - started)
-        loss = history.history["loss"][-1]
+        for mode, callbacks in modes.items():
+            started = time.perf_counter()
+            history = acc.fit(
+                model, x, y, batch_size=args.batch, epochs=1, verbose=0, callbacks=callbacks
+            )
+            if epoch >= args.warmup:
+                times[mode].append(time.perf_counter() - started)
+            loss = history.history["loss"][-1]
     if acc.process_index == 0:
         with open(args.out, "w") as f:
             json.dump(
                 {
                     "processes": acc.num_processes,
-                    "s_per_epoch": statistics.median(times),
+                    "s_per_epoch": statistics.median(times["plain"]),
+                    "s_per_epoch_hooked": statistics.median(times["hooked"]),
                     "times": times,
                     "loss": loss,
                     "threads": torch.get_num_threads(),
@@ -96,6 +114,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="the global batch size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--metrics", nargs="*", default=[], help="Keras metrics to compile (default none)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,19 +128,29 @@ def main() -> int:
         f"--batch={args.batch}",
         f"--rounds={args.rounds}",
         f"--warmup={args.warmup}",
+        "--metrics",
+        *args.metrics,
     ]
     # One process compiles its step (after 2,000 eager steps on "auto": from now on); several
     # run it eagerly, so one eager process is measured too, to tell the two costs apart.
     one = run(1, argv, KERAS_ACCEL_TORCH_COMPILE_AFTER="0")
     eager = run(1, argv, KERAS_ACCEL_TORCH_COMPILE="0")
     two = run(2, argv)
-    print(f"torch, dense 64, global batch {args.batch}, {args.steps} steps per epoch\n")
-    print("| processes | step | torch threads each | s/epoch (median) | final loss |")
-    print("|---|---|---|---|---|")
+    metrics = ", ".join(args.metrics) or "none"
+    print(
+        f"torch, dense 64, global batch {args.batch}, {args.steps} steps per epoch, "
+        f"metrics: {metrics}\n"
+    )
+    print(
+        "| processes | step | torch threads each | s/epoch (median) | with a batch hook "
+        "on the chief | final loss |"
+    )
+    print("|---|---|---|---|---|---|")
     for report, step in ((one, "compiled"), (eager, "eager"), (two, "eager")):
         print(
             f"| {report['processes']} | {step} | {report['threads']} | "
-            f"{report['s_per_epoch']:.3f} | {report['loss']:.5f} |"
+            f"{report['s_per_epoch']:.3f} | {report['s_per_epoch_hooked']:.3f} | "
+            f"{report['loss']:.5f} |"
         )
     print(
         f"\nscaling, 1 process / 2 processes: {one['s_per_epoch'] / two['s_per_epoch']:.2f}x "

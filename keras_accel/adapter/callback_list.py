@@ -38,7 +38,8 @@ class CallbackList(keras.callbacks.CallbackList):
         )
         # A callback with any batch hook of a kind (a method of its class, or an attribute
         # such as `LambdaCallback`'s) has that kind's hooks dispatched, begins and ends.
-        self._hooked = {kind: any(batch_hooks(c, kind) for c in self.callbacks) for kind in KINDS}
+        self._hooked = hooked(self.callbacks)
+        announce(self.callbacks, self._hooked)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._hooked["train"]:
@@ -65,6 +66,20 @@ class CallbackList(keras.callbacks.CallbackList):
             super().on_predict_batch_end(batch, logs)
 
 
+def hooked(callbacks) -> dict[str, bool]:
+    """Which kinds' batch hooks `callbacks` implement (any of them)."""
+    return {kind: any(batch_hooks(c, kind) for c in callbacks) for kind in KINDS}
+
+
+def announce(callbacks, hooked: dict[str, bool]) -> None:
+    """Tell the callbacks that ask (`set_batch_hooks`: a runtime's, which skips per-step
+    work that nobody reads, on torch over processes) which kinds' batch hooks their list
+    dispatches."""
+    for callback in callbacks:
+        if hasattr(callback, "set_batch_hooks"):
+            callback.set_batch_hooks(hooked)
+
+
 def for_call(model, callbacks, data, *, verbose, epochs: int = 1, steps=None, history=False):
     """`callbacks` as Keras's `fit` (`history=True`, its `epochs`), `evaluate` or `predict`
     would wrap them for `data` and `steps` (its `steps_per_epoch` or `steps`), as our
@@ -73,6 +88,13 @@ def for_call(model, callbacks, data, *, verbose, epochs: int = 1, steps=None, hi
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     if not isinstance(data, PaddedBatchesAdapter) or getattr(data, "counts_lazily", False):
+        # Keras's own list, which adds a History (no batch hooks) and, where `verbose` is on
+        # and none is given, a progress bar (hooks of every kind).
+        given = list(callbacks or [])
+        found = hooked(given)
+        if verbose and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in given):
+            found = dict.fromkeys(KINDS, True)
+        announce(given, found)
         return callbacks
     return CallbackList(
         callbacks,

@@ -550,6 +550,35 @@ def install_global_results(
             after_build(patches, container, lambda c=container: install(c.metrics))
 
 
+def results_of_state(metrics, reduce_values: Callable, results: Callable):
+    """`results()` with the state of every metric in `metrics` (and their inner ones)
+    replaced by `reduce_values(variables)` for the duration, all at once, so that one
+    reduction serves every metric's `result()` (which `install_global_results`' wrappers then
+    leave as it is)."""
+    variables, seen = [], set()
+    for metric in _leaf_metrics(metrics):
+        for variable in metric.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    values = reduce_values(variables)
+    token = _REDUCING.set(True)
+    try:
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            return results()
+    finally:
+        _REDUCING.reset(token)
+
+
+def unreduced(results: Callable):
+    """`results()` with every metric's `result()` this process's own (no reduction)."""
+    token = _REDUCING.set(True)
+    try:
+        return results()
+    finally:
+        _REDUCING.reset(token)
+
+
 def _leaf_metrics(metrics):
     for metric in metrics or []:
         if metric is None:

@@ -7,6 +7,7 @@ processes) from arrays, a generator, a tf.data.Dataset, a PyDataset and a torch 
 each from the same initial weights. Every process writes what it saw to OUT-<process>.npz.
 """
 
+import contextlib
 import sys
 
 import keras
@@ -29,6 +30,17 @@ def _counted(self, index):
 
 
 torch_backend.GradientBuckets._send = _counted
+# Every reduction of metric state (one collective per dtype), counted.
+REDUCED = [0]
+_reduced_values = torch_backend.reduced_values
+
+
+def _reduced(*args, **kwargs):
+    REDUCED[0] += 1
+    return _reduced_values(*args, **kwargs)
+
+
+torch_backend.reduced_values = _reduced
 acc = Accelerator(seed=0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(45, 5)).astype("float32")
@@ -90,6 +102,22 @@ inputs = {
     "tfdata": lambda: (tf_dataset(),),
     "dataloader": lambda: (loader(),),
 }
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Every batch's logs, training and validation, as a callback reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {"train": [], "test": []}
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen["train"].append([logs["loss"], logs["accuracy"]])
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen["test"].append([logs["loss"], logs["accuracy"]])
+
+
 out = {}
 for name, make in inputs.items():
     model.set_weights(start)
@@ -97,7 +125,9 @@ for name, make in inputs.items():
     # A generator is read once: one epoch; the others two.
     epochs = 1 if name == "generator" else 2
     options = {"batch_size": BATCH, "shuffle": False} if name == "arrays" else {}
+    REDUCED[0] = 0
     history = acc.fit(model, *make(), epochs=epochs, verbose=0, **options)
+    out[f"reduced/{name}"] = np.asarray(REDUCED[0])
     out[f"{name}/loss"] = np.asarray(history.history["loss"])
     out[f"{name}/accuracy"] = np.asarray(history.history["accuracy"])
     for i, w in enumerate(model.get_weights()):
@@ -107,8 +137,39 @@ for name, make in inputs.items():
         options = {"batch_size": 7} if name == "arrays" else {}
         out[f"{name}/evaluate"] = np.asarray(acc.evaluate(model, *evaluate, verbose=0, **options))
         out[f"{name}/predict"] = acc.predict(model, x, batch_size=7, verbose=0)
-out["recompiles"] = np.asarray(acc.num_recompiles)
 out["sent_early"] = np.asarray(SENT[0])
+# Batch logs read by the chief alone: every process reduces each step's metrics with it.
+model.set_weights(start)
+compiled(model)
+logs = BatchLogs()
+REDUCED[0] = 0
+acc.fit(
+    model,
+    x,
+    y,
+    batch_size=BATCH,
+    shuffle=False,
+    epochs=2,
+    validation_data=(x, y),
+    callbacks=[logs] if acc.process_index == 0 else [],
+    verbose=0,
+)
+out["reduced/read"] = np.asarray(REDUCED[0])
+if acc.process_index == 0:
+    out["read/train"] = np.asarray(logs.seen["train"])
+    out["read/test"] = np.asarray(logs.seen["test"])
+
+
+class Stop(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("stopped")
+
+
+# A fit that ends in an error (in every process alike) leaves no answer behind.
+with contextlib.suppress(RuntimeError):
+    acc.fit(model, x, y, batch_size=BATCH, callbacks=[Stop()], verbose=0)
+out["read/left"] = np.asarray(len(torch_backend._LOGS_READ))
+out["recompiles"] = np.asarray(acc.num_recompiles)
 # Keras 3.16 wraps a model in DistributedDataParallel where a process group exists: never
 # during the Accelerator's calls, which average the gradients themselves.
 out["ddp_wrapped"] = np.asarray(getattr(model, "ddp_model", None) is not None)

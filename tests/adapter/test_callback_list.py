@@ -285,3 +285,32 @@ def test_an_adapter_that_counts_only_inside_keras_s_call_keeps_keras_s_list():
     )
     made = callback_list.for_call(model, callbacks, _Counted(4), verbose=0, epochs=3)
     assert isinstance(made, callback_list.CallbackList) and made.params["steps"] == 4
+
+
+class Listener(keras.callbacks.Callback):
+    """A callback that asks which kinds' batch hooks its list dispatches (as the torch
+    runtime's `StepLogsRead` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.told = []
+
+    def set_batch_hooks(self, hooked):
+        self.told.append(dict(hooked))
+
+
+def test_callbacks_that_ask_are_told_which_batch_hooks_their_list_dispatches():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    ends = keras.callbacks.LambdaCallback(on_test_batch_end=lambda batch, logs: None)
+    listener = Listener()
+    made = callback_list.for_call(model, [ends, listener], _Counted(4), verbose=0)
+    assert isinstance(made, callback_list.CallbackList)
+    assert listener.told == [{"train": False, "test": True, "predict": False}]
+    # Keras's own list, for data of another kind: what it will dispatch, its progress bar
+    # (verbose on, none given) reading every kind.
+    listener = Listener()
+    callback_list.for_call(model, [OldBatchEnds(), listener], _data(), verbose=0)
+    assert listener.told == [{"train": True, "test": False, "predict": False}]
+    listener = Listener()
+    callback_list.for_call(model, [listener], _data(), verbose=1)
+    assert listener.told == [{"train": True, "test": True, "predict": True}]

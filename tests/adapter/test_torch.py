@@ -101,6 +101,30 @@ def test_the_backward_pass_sends_the_gradients_in_buckets(runs):
     assert not bool(first["ddp_wrapped"])  # Keras 3.16's own DDP would reduce them again.
 
 
+def test_a_steps_metrics_are_reduced_where_a_process_reads_its_logs(runs):
+    """A batch hook of the chief's alone reads every step's logs, training and validation:
+    the global batch's, as one process logs them, with every process reducing each step's
+    metrics beside the chief. Where no process reads them (verbose=0, no batch hook) the
+    steps skip that reduction: only the results Keras reports are reduced, at each epoch's
+    end, not at each of its 6 steps."""
+    one, first, second = runs
+    for kind in ("train", "test"):
+        key = f"read/{kind}"
+        assert first[key].shape == one[key].shape == (12, 2), key  # 2 epochs of 6 batches.
+        np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+    assert "read/train" not in second
+    assert int(first["read/left"]) == int(second["read/left"]) == 0  # After a failed fit.
+    # Each of 24 steps (12 of training, 12 of validation), and each epoch's results.
+    assert int(first["reduced/read"]) == int(second["reduced/read"]) >= 24
+    for kind in INPUTS:
+        key = f"reduced/{kind}"
+        assert int(first[key]) == int(second[key]), key
+        # One per epoch (2 epochs, the generator's 1), and one as Keras builds the model's
+        # metrics (`_symbolic_build`) after each compile.
+        epochs = 1 if kind == "generator" else 2
+        assert epochs <= int(first[key]) <= epochs + 1, key
+
+
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_precision.py")
 
 
