@@ -114,6 +114,11 @@ def test_a_steps_metrics_are_reduced_where_a_process_reads_its_logs(runs):
         np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
     assert "read/train" not in second
     assert int(first["read/left"]) == int(second["read/left"]) == 0  # After a failed fit.
+    # A model whose steps log a key of their own: Keras reports the last step's logs.
+    for key in ("extra/loss", "extra/accuracy"):
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+    np.testing.assert_allclose(first["extra/loss"], first["arrays/loss"], rtol=0, atol=TOLERANCE)
     # Each of 24 steps (12 of training, 12 of validation), and each epoch's results.
     assert int(first["reduced/read"]) == int(second["reduced/read"]) >= 24
     for kind in INPUTS:

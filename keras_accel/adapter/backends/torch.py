@@ -739,11 +739,22 @@ def reduced_values(variables, local=frozenset()) -> list:
     return values
 
 
+def _logs_its_own(model) -> bool:
+    """Whether `model`'s class changes what its steps log (its own step, `compute_metrics`
+    or `get_metrics_result`): where a step's logs have keys of their own, Keras reports the
+    last step's logs as the epoch's (`Trainer._get_metrics_result_or_logs`)."""
+    names = ("compute_metrics", "get_metrics_result")
+    return overrides_any_step(model) or any(
+        getattr(type(model), name, None) is not getattr(keras.Model, name) for name in names
+    )
+
+
 class StepLogsRead(keras.callbacks.Callback):
     """Agrees over the processes, as a call begins, whether any of them reads the logs of
     each step: a batch hook of its callbacks (`callback_list.CallbackList` says which kinds
-    have one; a list of another kind is taken to read every kind), or a step of the user's
-    (whose last logs Keras may report as the epoch's). Where none does, Keras's own steps
+    have one; a list of another kind is taken to read every kind), or a model whose own
+    step, `compute_metrics` or `get_metrics_result` may log keys of its own (Keras then
+    reports its last step's logs as the epoch's). Where none does, Keras's own steps
     log each process's own results instead of reducing every metric each step
     (`_reduced_once`); what is reported, the epoch's and the evaluation's results, is
     reduced after the last step as always. Runs in every process, where each call's
@@ -760,7 +771,7 @@ class StepLogsRead(keras.callbacks.Callback):
         self._hooked = dict(hooked)
 
     def _agreed(self, kinds) -> dict[str, bool]:
-        custom = overrides_any_step(self.model)
+        custom = _logs_its_own(self.model)
         answer = {}
         for kind in kinds:
             read = custom or self._hooked is None or self._hooked.get(kind, True)
