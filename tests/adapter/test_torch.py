@@ -102,16 +102,19 @@ def test_the_backward_pass_sends_the_gradients_in_buckets(runs):
 
 
 def test_a_steps_metrics_are_reduced_where_a_process_reads_its_logs(runs):
-    """A batch hook of the chief's alone reads every step's logs, training and validation:
-    the global batch's, as one process logs them, with every process reducing each step's
-    metrics beside the chief. Where no process reads them (verbose=0, no batch hook) the
-    steps skip that reduction: only the results Keras reports are reduced, at each epoch's
-    end, not at each of its 6 steps."""
+    """A batch hook of the chief's alone reads every step's logs (training, validation, an
+    evaluation): the global batch's, as one process logs them, with every process reducing
+    each step's metrics beside the chief. Where no process reads them (verbose=0, no batch
+    hook) the steps skip that reduction: only the results Keras reports are reduced, at each
+    epoch's end, not at each of its 6 steps."""
     one, first, second = runs
     for kind in ("train", "test"):
         key = f"read/{kind}"
         assert first[key].shape == one[key].shape == (12, 2), key  # 2 epochs of 6 batches.
         np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+    key = "read/evaluate"  # `evaluate` on its own: 7 batches of 7 rows.
+    assert first[key].shape == one[key].shape == (7, 2), key
+    np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
     assert "read/train" not in second
     assert int(first["read/left"]) == int(second["read/left"]) == 0  # After a failed fit.
     # A model whose steps log a key of their own: Keras reports the last step's logs.
