@@ -592,7 +592,8 @@ def _leaf_metrics(metrics):
 
 # Set while a global result is computed: a container's result (Keras's CompileMetrics) reads
 # its inner metrics' results from the state already reduced, which must not be reduced again.
-_REDUCING: contextvars.ContextVar = contextvars.ContextVar("keras_accel_reducing", default=False)
+# A StepValue: a compiled torch step traces the reduction (`torch_compiled`).
+_REDUCING = StepValue("reducing", default=False)
 
 
 def _global_result(metric, global_result: Callable, when: Callable | None = None):

@@ -133,6 +133,38 @@ def test_a_steps_metrics_are_reduced_where_a_process_reads_its_logs(runs):
         assert epochs <= int(first[key]) <= epochs + 1, key
 
 
+COMPILED_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_compiled_processes.py")
+
+
+def test_compiled_steps_over_processes_train_as_one_compiled_process(tmp_path):
+    """`jit_compile=True` over two processes: Keras's steps compiled in each, the gradients'
+    average (and, where the chief reads a step's logs, the metrics' reduction) inside the
+    program, numbers as one process's (tests/adapter/_torch_compiled_processes.py). Where
+    torch cannot compile a step over processes (BatchNormalization's summed moments,
+    Dropout's draws) every process runs it eagerly alike, with the same numbers."""
+    one = _run([sys.executable, COMPILED_SCRIPT, str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
+    two = _run([*launch, COMPILED_SCRIPT, str(tmp_path / "two")])
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one, first, second = (
+        dict(np.load(tmp_path / f"{name}.npz")) for name in ("one-0", "two-0", "two-1")
+    )
+    for key in one:
+        if key.startswith("runs/"):
+            continue
+        if key in second:
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        np.testing.assert_allclose(first[key], one[key], rtol=0, atol=TOLERANCE, err_msg=key)
+    # 4 calls' steps (2 fits, their validation, evaluate): each call's first step of a kind
+    # runs eagerly, the others compiled, in one process and in two alike.
+    assert int(first["runs/dense"]) == int(second["runs/dense"]) == int(one["runs/dense"]) > 20
+    # BatchNormalization: one process compiles both steps, two only the test step.
+    assert int(second["runs/batchnorm"]) == int(first["runs/batchnorm"])
+    assert 0 < int(first["runs/batchnorm"]) < int(one["runs/batchnorm"])
+    assert int(first["runs/dropout"]) == int(one["runs/dropout"])  # Its test step only.
+
+
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_precision.py")
 
 

@@ -10,8 +10,9 @@ several processes one training, for the duration of each call, on the instances 
   feeder's static batches, the same in every process), so every process runs the same steps;
 - **one gradient**: the gradients are averaged over the processes before the optimizer's
   `apply` uses them, sent in buckets while the backward pass goes on (`GradientBuckets`,
-  as `DistributedDataParallel` does), so every process applies the same update, clipping
-  and loss scaling included;
+  as `DistributedDataParallel` does; in a compiled step, `torch_compiled`, one all-reduce
+  per dtype inside the program), so every process applies the same update, clipping and
+  loss scaling included;
 - **exact numbers**: a padded batch weights each process's real rows by the global batch's
   real row count (`row_count`), BatchNormalization sums its moments across processes
   (`all_reduce_sum`, differentiable), and Keras's metrics report the state summed over
@@ -303,6 +304,12 @@ class Runtime(runtime.Runtime):
         self._local = gathered.local
         result = functools.partial(global_result, local=gathered.local)
         install_global_results(patches, model, result, when=_in_step)
+        # Keras's steps compiled here too, their collectives (the gradients' average, the
+        # metrics' reduction) in the program: the same steps, the same collectives, in every
+        # process, which compile alike (the same model, the same shapes). What torch cannot
+        # compile (a per-row random layer's draw, BatchNormalization's summed moments) fails to
+        # compile in every process alike, and runs eagerly as above.
+        torch_compiled.install(patches, model)
 
     def install_outer(self, patches: Patches, model) -> None:
         if self.num_replicas == 1:

@@ -16,8 +16,11 @@ metrics code runs, traced): the suite's exactness tests run through it.
 
 What it takes over (the rest stays Keras's eager step, unchanged):
 - the train and test steps Keras's trainer defines (a model that overrides `train_step` or
-  `test_step` runs its own, eagerly), in one process (over several, the gradients'
-  all-reduce overlaps the eager backward pass: `GradientBuckets`);
+  `test_step` runs its own, eagerly); over several processes with their collectives traced
+  into the program (the gradients' average in the optimizer's `apply`, the metrics'
+  reduction where a process reads a step's logs), every process compiling the same step
+  alike, and falling back alike where torch cannot compile it (then the eager step's
+  all-reduce overlaps its backward pass: `GradientBuckets`);
 - from each call's second step of a kind: the first runs eagerly, which builds what Keras
   builds lazily (the optimizer's slots, the compiled metrics) and says which weights get
   no gradient (they get none here either).
