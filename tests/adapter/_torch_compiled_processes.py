@@ -7,7 +7,8 @@ process 1), SGD with momentum, accuracy; per model, `fit` for 2 epochs with vali
 one more epoch with the chief alone reading every batch's logs (the metrics then reduced in
 the program too), then `evaluate`. Models: Dense-ReLU-Dense (compiled in every process),
 and with BatchNormalization (its moments summed over the processes: torch's compiler fails
-on that all-reduce) or Dropout (torch cannot compile Keras's draws), which every process
+on that all-reduce), Dropout (torch cannot compile Keras's draws) or a user's metric (its
+update gathered from every process: torch cannot trace the gather), which every process
 then runs eagerly alike. Every process writes what it saw, and how many compiled steps
 each model ran, to OUT-<process>.npz.
 """
@@ -51,7 +52,27 @@ class BatchLogs(keras.callbacks.Callback):
         self.seen.append([logs["loss"], logs["accuracy"]])
 
 
-def build(*middle):
+class RowCount(keras.metrics.Metric):
+    """A user's metric (gathered from every process's rows over processes): the real rows
+    seen, and the sum of their first predicted logits."""
+
+    def __init__(self, name="rows", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.rows = self.add_variable((), "zeros", name="rows")
+        self.logits = self.add_variable((), "zeros", name="logits")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        real = keras.ops.ones_like(y_pred[:, 0])
+        if sample_weight is not None:
+            real = keras.ops.cast(sample_weight > 0, y_pred.dtype)
+        self.rows.assign_add(keras.ops.sum(real))
+        self.logits.assign_add(keras.ops.sum(real * y_pred[:, 0]))
+
+    def result(self):
+        return self.logits / keras.ops.maximum(self.rows, 1.0)
+
+
+def build(*middle, metric=None):
     with acc.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential(
@@ -60,7 +81,7 @@ def build(*middle):
         model.compile(
             keras.optimizers.SGD(0.1, momentum=0.9),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
+            metrics=["accuracy", *([metric] if metric else [])],
             jit_compile=True,
         )
     return model
@@ -72,15 +93,16 @@ MODELS = {
     "dense": (keras.layers.ReLU(),),
     "batchnorm": (keras.layers.BatchNormalization(),),
     "dropout": (keras.layers.Dropout(0.3, seed=5),),
+    "users_metric": (keras.layers.ReLU(),),
 }
 for name, middle in MODELS.items():
     before = RUNS[0]
-    model = build(*middle)
+    model = build(*middle, metric=RowCount() if name == "users_metric" else None)
     history = acc.fit(
         model, x, y, batch_size=8, shuffle=False, epochs=2, validation_data=(x, y), verbose=0
     )
-    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-        out[f"{name}/{key}"] = np.asarray(history.history[key])
+    for key, values in history.history.items():
+        out[f"{name}/{key}"] = np.asarray(values)
     logs = BatchLogs()
     acc.fit(
         model,

@@ -141,7 +141,8 @@ def test_compiled_steps_over_processes_train_as_one_compiled_process(tmp_path):
     average (and, where the chief reads a step's logs, the metrics' reduction) inside the
     program, numbers as one process's (tests/adapter/_torch_compiled_processes.py). Where
     torch cannot compile a step over processes (BatchNormalization's summed moments,
-    Dropout's draws) every process runs it eagerly alike, with the same numbers."""
+    Dropout's draws, a user's metric's gathered update) every process runs it eagerly
+    alike, with the same numbers."""
     one = _run([sys.executable, COMPILED_SCRIPT, str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
     launch = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
@@ -163,6 +164,9 @@ def test_compiled_steps_over_processes_train_as_one_compiled_process(tmp_path):
     assert int(second["runs/batchnorm"]) == int(first["runs/batchnorm"])
     assert 0 < int(first["runs/batchnorm"]) < int(one["runs/batchnorm"])
     assert int(first["runs/dropout"]) == int(one["runs/dropout"])  # Its test step only.
+    # A user's metric, gathered from every process: neither step compiles over processes.
+    assert int(second["runs/users_metric"]) == int(first["runs/users_metric"])
+    assert int(first["runs/users_metric"]) < int(one["runs/users_metric"])
 
 
 PRECISION_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_precision.py")

@@ -307,8 +307,8 @@ class Runtime(runtime.Runtime):
         # Keras's steps compiled here too, their collectives (the gradients' average, the
         # metrics' reduction) in the program: the same steps, the same collectives, in every
         # process, which compile alike (the same model, the same shapes). What torch cannot
-        # compile (a per-row random layer's draw, BatchNormalization's summed moments) fails to
-        # compile in every process alike, and runs eagerly as above.
+        # compile (a per-row random layer's draw, BatchNormalization's summed moments, a
+        # gathered metric's update) fails in every process alike, and runs eagerly as above.
         torch_compiled.install(patches, model)
 
     def install_outer(self, patches: Patches, model) -> None:
