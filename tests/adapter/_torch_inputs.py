@@ -16,6 +16,7 @@ import torch
 
 from keras_accel import Accelerator
 from keras_accel.adapter.backends import torch as torch_backend
+from keras_accel.adapter.backends import torch_metrics
 
 # Small buckets, so that the backward pass sends several while it goes on (the default 25
 # MiB holds this whole model); each sent bucket is counted.
@@ -32,7 +33,7 @@ def _counted(self, index):
 torch_backend.GradientBuckets._send = _counted
 # Every reduction of metric state (one collective per dtype), counted.
 REDUCED = [0]
-_reduced_values = torch_backend.reduced_values
+_reduced_values = torch_metrics.reduced_values
 
 
 def _reduced(*args, **kwargs):
@@ -40,7 +41,7 @@ def _reduced(*args, **kwargs):
     return _reduced_values(*args, **kwargs)
 
 
-torch_backend.reduced_values = _reduced
+torch_metrics.reduced_values = _reduced
 acc = Accelerator(seed=0)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(45, 5)).astype("float32")
@@ -196,7 +197,7 @@ class Stop(keras.callbacks.Callback):
 # A fit that ends in an error (in every process alike) leaves no answer behind.
 with contextlib.suppress(RuntimeError):
     acc.fit(model, x, y, batch_size=BATCH, callbacks=[Stop()], verbose=0)
-out["read/left"] = np.asarray(len(torch_backend._LOGS_READ))
+out["read/left"] = np.asarray(len(torch_metrics.LOGS_READ))
 out["recompiles"] = np.asarray(acc.num_recompiles)
 # Keras 3.16 wraps a model in DistributedDataParallel where a process group exists: never
 # during the Accelerator's calls, which average the gradients themselves.

@@ -16,8 +16,8 @@ several processes one training, for the duration of each call, on the instances 
 - **exact numbers**: a padded batch weights each process's real rows by the global batch's
   real row count (`row_count`), BatchNormalization sums its moments across processes
   (`all_reduce_sum`, differentiable), and Keras's metrics report the state summed over
-  every process's rows (`global_result`; every metric's state in one collective per dtype,
-  `_reduced_once`, and in a step only where a process reads its logs, `StepLogsRead`);
+  every process's rows (`torch_metrics`: every metric's state in one collective per dtype,
+  in a step only where a process reads its logs);
   users' metrics, whose state need not be a sum, update on the global batch's rows,
   gathered (`torch_rows.GatheredMetrics`);
 - **one draw**: Dropout and the other per-row random layers draw the global batch's
@@ -43,14 +43,10 @@ import keras
 import numpy as np
 
 from keras_accel.adapter import runtime
-from keras_accel.adapter.backends import torch_compiled, torch_rows
+from keras_accel.adapter.backends import torch_compiled, torch_metrics, torch_rows
+from keras_accel.adapter.backends.torch_metrics import StepLogsRead, in_step
 from keras_accel.adapter.patches import Patches
-from keras_accel.adapter.steps import (
-    install_global_results,
-    overrides_any_step,
-    results_of_state,
-    unreduced,
-)
+from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
@@ -299,11 +295,11 @@ class Runtime(runtime.Runtime):
         # Users' metrics update on the global batch (their state need not be a sum);
         # Keras's own keep theirs and are summed over the processes when read. Installed
         # before the padding masks, which then wrap the gather (its weights are the mask).
-        gathered = torch_rows.GatheredMetrics(when=_in_step)
+        gathered = torch_rows.GatheredMetrics(when=in_step)
         gathered.install_on_model(patches, model)
         self._local = gathered.local
-        result = functools.partial(global_result, local=gathered.local)
-        install_global_results(patches, model, result, when=_in_step)
+        result = functools.partial(torch_metrics.global_result, local=gathered.local)
+        install_global_results(patches, model, result, when=in_step)
         # Keras's steps compiled here too, their collectives (the gradients' average, the
         # metrics' reduction) in the program: the same steps, the same collectives, in every
         # process, which compile alike (the same model, the same shapes). What torch cannot
@@ -323,11 +319,10 @@ class Runtime(runtime.Runtime):
         # after the last step, in every process: global there too.
         result = base_result or model.get_metrics_result
         local = self._local
-        patches.set(
-            model, "get_metrics_result", _stepping(_reduced_once(model, result, local), None)
-        )
+        reduced = torch_metrics.reduced_once(model, result, local)
+        patches.set(model, "get_metrics_result", _stepping(reduced, None))
         # A call that ends in an error never reaches its callbacks' ends (`StepLogsRead`).
-        patches.add(_LOGS_READ.clear)
+        patches.add(torch_metrics.LOGS_READ.clear)
 
     def callbacks(self) -> list:
         return [SameStart(), StepLogsRead()] if self.num_replicas > 1 else []
@@ -413,57 +408,17 @@ class Runtime(runtime.Runtime):
         return pipeline if rows is None else tfdata.take_rows(pipeline, rows)
 
 
-def _reduced_once(model, get_metrics_result, local):
-    """Keras's `get_metrics_result()` inside a step (its logs, each step) and after the last
-    (the epoch's): every metric's state reduced in one collective per dtype, where each
-    metric's `result()` would reduce its own variables (two all-reduces per metric). Inside
-    a step whose logs no process reads (`StepLogsRead`), each process's own results."""
-
-    def run():
-        if not _in_step():
-            return get_metrics_result()
-        if _STEP_KINDS and not _logs_read(_STEP_KINDS[-1]):
-            return unreduced(get_metrics_result)
-        return results_of_state(
-            model.metrics,
-            functools.partial(reduced_values, local=local),
-            get_metrics_result,
-        )
-
-    return run
-
-
-# Set while one of the call's steps runs: every process is in the same step then, so a
-# collective there meets the others. Outside a step (a callback reading a metric on the
-# chief only) results stay this process's own.
-_IN_STEP: list[int] = [0]
-
-
-def _in_step() -> bool:
-    return _IN_STEP[0] > 0
-
-
-# The kinds of the steps running (innermost last); the agreed `StepLogsRead` answers of the
-# calls running (innermost last).
-_STEP_KINDS: list[str] = []
-_LOGS_READ: list[dict[str, bool]] = []
-
-
-def _logs_read(kind: str) -> bool:
-    return not _LOGS_READ or _LOGS_READ[-1].get(kind, True)
-
-
 def _stepping(step, kind: str | None):
     def run(*args):
-        _IN_STEP[0] += 1
+        torch_metrics.IN_STEP[0] += 1
         if kind is not None:
-            _STEP_KINDS.append(kind)
+            torch_metrics.STEP_KINDS.append(kind)
         try:
             result = step(*args)
         finally:
             if kind is not None:
-                _STEP_KINDS.pop()
-            _IN_STEP[0] -= 1
+                torch_metrics.STEP_KINDS.pop()
+            torch_metrics.IN_STEP[0] -= 1
         if kind == "predict":
             result = gather_rows(result)
         return result
@@ -702,112 +657,6 @@ def average_gradients(grads, skip=()):
             grads[i] = flat[start : start + size].view_as(grads[i])
             start += size
     return grads
-
-
-def global_result(metric, result, local=frozenset()):
-    """`metric`'s result over every process's rows (`reduced_values`; the variables whose
-    ids are in `local` hold the global state already)."""
-    values = reduced_values(metric.variables, local)
-    with keras.StatelessScope(state_mapping=list(zip(metric.variables, values))):
-        return result()
-
-
-def reduced_values(variables, local=frozenset()) -> list:
-    """Metric variables' values over every process's rows, reduced as their `aggregation`
-    says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the chief's), the
-    others ("none", and those whose ids are in `local`: users' metrics, updated on the
-    global batch by `torch_rows.GatheredMetrics`) left as this process's. The variables keep
-    their own values."""
-    import torch
-
-    dist = _dist()
-    values = [variable.value.detach().clone() for variable in variables]
-    # One collective per kind and dtype, in the variables' order (the same in every process).
-    groups: dict = {}
-    for i, variable in enumerate(variables):
-        aggregation = "none" if id(variable) in local else getattr(variable, "aggregation", "sum")
-        if aggregation in ("sum", "mean"):
-            groups.setdefault(("all_reduce", values[i].dtype), []).append(i)
-        elif aggregation == "only_first_replica":
-            groups.setdefault(("broadcast", values[i].dtype), []).append(i)
-    for (kind, _), indices in groups.items():
-        flat = torch.cat([values[i].reshape(-1) for i in indices])
-        if kind == "all_reduce":
-            dist.all_reduce(flat)
-        else:
-            dist.broadcast(flat, src=0)
-        start = 0
-        for i in indices:
-            size = values[i].numel()
-            values[i] = flat[start : start + size].view_as(values[i])
-            start += size
-            if getattr(variables[i], "aggregation", "sum") == "mean":
-                values[i] = values[i] / dist.get_world_size()
-    return values
-
-
-def _logs_its_own(model) -> bool:
-    """Whether `model`'s class changes what its steps log (its own step, `compute_metrics`
-    or `get_metrics_result`): where a step's logs have keys of their own, Keras reports the
-    last step's logs as the epoch's (`Trainer._get_metrics_result_or_logs`)."""
-    names = ("compute_metrics", "get_metrics_result")
-    return overrides_any_step(model) or any(
-        getattr(type(model), name, None) is not getattr(keras.Model, name) for name in names
-    )
-
-
-class StepLogsRead(keras.callbacks.Callback):
-    """Agrees over the processes, as a call begins, whether any of them reads the logs of
-    each step: a batch hook of its callbacks (`callback_list.CallbackList` says which kinds
-    have one; a list of another kind is taken to read every kind), or a model whose own
-    step, `compute_metrics` or `get_metrics_result` may log keys of its own (Keras then
-    reports its last step's logs as the epoch's). Where none does, Keras's own steps
-    log each process's own results instead of reducing every metric each step
-    (`_reduced_once`); what is reported, the epoch's and the evaluation's results, is
-    reduced after the last step as always. Runs in every process, where each call's
-    callbacks do: its agreement is one collective per kind."""
-
-    def __init__(self):
-        super().__init__()
-        self._hooked: dict[str, bool] | None = None  # Unknown: every kind read.
-        self._depth = 0
-        self._answer: dict[str, bool] = {}
-
-    def set_batch_hooks(self, hooked: dict[str, bool]) -> None:
-        """The kinds whose batch hooks this process's callback list dispatches."""
-        self._hooked = dict(hooked)
-
-    def _agreed(self, kinds) -> dict[str, bool]:
-        custom = _logs_its_own(self.model)
-        answer = {}
-        for kind in kinds:
-            read = custom or self._hooked is None or self._hooked.get(kind, True)
-            answer[kind] = not agree_all(not read)  # Read by any process.
-        return answer
-
-    def _begin(self, kinds) -> None:
-        # `fit`'s validation runs inside it, with fit's answer.
-        if not self._depth:
-            self._answer = self._agreed(kinds)
-        self._depth += 1
-        _LOGS_READ.append(self._answer)
-
-    def _end(self) -> None:
-        self._depth -= 1
-        if _LOGS_READ:
-            _LOGS_READ.pop()
-
-    def on_train_begin(self, logs=None):
-        self._begin(("train", "test"))
-
-    def on_train_end(self, logs=None):
-        self._end()
-
-    def on_test_begin(self, logs=None):
-        self._begin(("test",))
-
-    def on_test_end(self, logs=None):
-        self._end()
 
 
 class SameStart(keras.callbacks.Callback):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed
 
-from keras_accel.adapter.backends import global_rows, torch_rows
+from keras_accel.adapter.backends import global_rows, torch_metrics, torch_rows
 from keras_accel.adapter.backends import torch as runtime_torch
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
@@ -206,7 +206,7 @@ class Steps:
         variables = [v for metric in metrics for v in metric.variables]
         # Users' metrics were updated on the global batch: global already.
         local = {id(v) for m in global_rows.user_metrics(metrics) for v in m.variables}
-        values = runtime_torch.reduced_values(variables, local)
+        values = torch_metrics.reduced_values(variables, local)
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             yield
 
