@@ -38,13 +38,13 @@ def _env(**extra):
     return env
 
 
-def _run(command, **extra):
+def _run(command, timeout=TIMEOUT_S, **extra):
     result = subprocess.run(
         command,
         env=_env(**extra),
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
     return result
@@ -134,19 +134,26 @@ def test_a_steps_metrics_are_reduced_where_a_process_reads_its_logs(runs):
 
 
 COMPILED_SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_compiled_processes.py")
+COMPILE_S = 1200
 
 
 def test_compiled_steps_over_processes_train_as_one_compiled_process(tmp_path):
     """`jit_compile=True` over two processes: Keras's steps compiled in each, the gradients'
     average (and, where the chief reads a step's logs, the metrics' reduction) inside the
     program, numbers as one process's (tests/adapter/_torch_compiled_processes.py). Where
-    torch cannot compile a step over processes (BatchNormalization's summed moments,
-    Dropout's draws, a user's metric's gathered update) every process runs it eagerly
-    alike, with the same numbers."""
-    one = _run([sys.executable, COMPILED_SCRIPT, str(tmp_path / "one")])
+    torch cannot compile a step over processes (BatchNormalization's summed moments, a
+    user's metric's gathered update) every process runs it eagerly alike, with the same
+    numbers."""
+    # torch's compiler takes seconds per program on a CPU, many more beside the suite's
+    # other backends (over 300 s for the two processes once): compiling has its own limit.
+    # One compile thread: no pool of compile workers beside the suite's other backends.
+    threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    one = _run(
+        [sys.executable, COMPILED_SCRIPT, str(tmp_path / "one")], timeout=COMPILE_S, **threads
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     launch = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
-    two = _run([*launch, COMPILED_SCRIPT, str(tmp_path / "two")])
+    two = _run([*launch, COMPILED_SCRIPT, str(tmp_path / "two")], timeout=COMPILE_S, **threads)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     one, first, second = (
         dict(np.load(tmp_path / f"{name}.npz")) for name in ("one-0", "two-0", "two-1")
@@ -163,7 +170,6 @@ def test_compiled_steps_over_processes_train_as_one_compiled_process(tmp_path):
     # BatchNormalization: one process compiles both steps, two only the test step.
     assert int(second["runs/batchnorm"]) == int(first["runs/batchnorm"])
     assert 0 < int(first["runs/batchnorm"]) < int(one["runs/batchnorm"])
-    assert int(first["runs/dropout"]) == int(one["runs/dropout"])  # Its test step only.
     # A user's metric, gathered from every process: neither step compiles over processes.
     assert int(second["runs/users_metric"]) == int(first["runs/users_metric"])
     assert int(first["runs/users_metric"]) < int(one["runs/users_metric"])

@@ -325,7 +325,7 @@ class Runtime(runtime.Runtime):
         patches.add(torch_metrics.LOGS_READ.clear)
 
     def callbacks(self) -> list:
-        return [SameStart(), StepLogsRead()] if self.num_replicas > 1 else []
+        return [SameStart(), StepLogsRead(agree_all)] if self.num_replicas > 1 else []
 
     def make_function(self, model, kind: str):
         """The call's N steps (`model.steps_per_execution`) one after the other in one host

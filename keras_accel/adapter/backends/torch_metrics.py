@@ -133,8 +133,10 @@ class StepLogsRead(keras.callbacks.Callback):
     reduced after the last step as always. Runs in every process, where each call's
     callbacks do: its agreement is one collective per kind."""
 
-    def __init__(self):
+    def __init__(self, agree_all):
+        """`agree_all(flag)`: True where `flag` is true in every process (a collective)."""
         super().__init__()
+        self._agree_all = agree_all
         self._hooked: dict[str, bool] | None = None  # Unknown: every kind read.
         self._depth = 0
         self._answer: dict[str, bool] = {}
@@ -144,13 +146,11 @@ class StepLogsRead(keras.callbacks.Callback):
         self._hooked = dict(hooked)
 
     def _agreed(self, kinds) -> dict[str, bool]:
-        from keras_accel.adapter.backends.torch import agree_all
-
         custom = logs_its_own(self.model)
         answer = {}
         for kind in kinds:
             read = custom or self._hooked is None or self._hooked.get(kind, True)
-            answer[kind] = not agree_all(not read)  # Read by any process.
+            answer[kind] = not self._agree_all(not read)  # Read by any process.
         return answer
 
     def _begin(self, kinds) -> None:
