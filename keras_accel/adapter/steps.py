@@ -562,12 +562,12 @@ def results_of_state(metrics, reduce_values: Callable, results: Callable):
                 seen.add(id(variable))
                 variables.append(variable)
     values = reduce_values(variables)
-    token = _REDUCING.set(True)
-    try:
+
+    def in_reduced_state():
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             return results()
-    finally:
-        _REDUCING.reset(token)
+
+    return unreduced(in_reduced_state)
 
 
 def unreduced(results: Callable):
