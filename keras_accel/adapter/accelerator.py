@@ -660,51 +660,66 @@ class Accelerator:
             validating=val is not None,
             divides=validation_steps if val is not None else None,
         )
-        train_data = self._wrap(model, "train", train, n, preprocess, steps_per_epoch)
-        contracts = {"train": self._contract(train)}
-        if val is not None:
-            contracts["test"] = self._contract(val)
-        # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
-        sync = _EpochSync(
-            self.guard,
+        # The call's steps where its epochs are whole passes of known length (XLA on a CPU).
+        known = steps if steps_per_epoch is None and steps else None
+        calls = None if known is None else (int(epochs) - int(initial_epoch)) * int(known)
+        with self._runtime.call_compilation(
+            model,
+            "train",
             train,
-            keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
-            or getattr(train_data, "keras_accel_ends_epochs", False),
-        )
-
-        def patch(patches):
-            _bind_schedule(model, epochs, steps, patches, train.plan)
-            fusion.install(
-                patches, model, n, callbacks, kind="train", epochs=int(epochs), steps=steps
-            )
-
-        with (
-            self.scope(),
-            self._session(model, contracts, train_data, train, contracts["train"], patch),
+            n,
+            preprocess,
+            calls,
+            verbose,
+            on_first=functools.partial(self.guard.warm_up_again, model),
         ):
-            return _keras(model, "fit")(
-                train_data,
-                epochs=epochs,
-                verbose=verbose,
-                # Rows are shuffled per epoch by our batches; Keras must keep their order.
-                shuffle=False,
-                callbacks=callback_list.for_call(
-                    model,
-                    fusion.progress([sync, *(callbacks or []), *self._own_callbacks()], verbose),
-                    train_data,
-                    verbose=verbose,
-                    epochs=epochs,
-                    steps=steps_per_epoch,
-                    history=True,
-                ),
-                validation_data=None
-                if val is None
-                else self._wrap(model, "test", val, n, preprocess, validation_steps),
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_freq=validation_freq,
+            train_data = self._wrap(model, "train", train, n, preprocess, steps_per_epoch)
+            contracts = {"train": self._contract(train)}
+            if val is not None:
+                contracts["test"] = self._contract(val)
+            # A Grain data set's epochs end where a pass ends (keras_accel.data.grain).
+            sync = _EpochSync(
+                self.guard,
+                train,
+                keras_ends_epochs=isinstance(train_data, keras.utils.PyDataset)
+                or getattr(train_data, "keras_accel_ends_epochs", False),
             )
+
+            def patch(patches):
+                _bind_schedule(model, epochs, steps, patches, train.plan)
+                fusion.install(
+                    patches, model, n, callbacks, kind="train", epochs=int(epochs), steps=steps
+                )
+
+            with (
+                self.scope(),
+                self._session(model, contracts, train_data, train, contracts["train"], patch),
+            ):
+                return _keras(model, "fit")(
+                    train_data,
+                    epochs=epochs,
+                    verbose=verbose,
+                    # Rows are shuffled per epoch by our batches; Keras must keep their order.
+                    shuffle=False,
+                    callbacks=callback_list.for_call(
+                        model,
+                        fusion.progress(
+                            [sync, *(callbacks or []), *self._own_callbacks()], verbose
+                        ),
+                        train_data,
+                        verbose=verbose,
+                        epochs=epochs,
+                        steps=steps_per_epoch,
+                        history=True,
+                    ),
+                    validation_data=None
+                    if val is None
+                    else self._wrap(model, "test", val, n, preprocess, validation_steps),
+                    initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps,
+                    validation_freq=validation_freq,
+                )
 
     def evaluate(
         self,
@@ -736,18 +751,31 @@ class Accelerator:
         contract = self._contract(batches)
         length = steps or batches.plan.num_batches
         n = self._fuse(model, "test", length, callbacks, verbose)
-        data = self._wrap(model, "test", batches, n, preprocessor(model), steps)
         patch = functools.partial(
             fusion.install, model=model, n=n, callbacks=callbacks, kind="test", steps=length
         )
-        with self.scope(), self._session(model, {"test": contract}, data, batches, contract, patch):
-            result = _keras(model, "evaluate")(
-                data,
-                verbose=verbose,
-                steps=steps,
-                callbacks=self._call_callbacks(model, callbacks, data, verbose, steps),
-                return_dict=return_dict,
-            )
+        with self._runtime.call_compilation(
+            model,
+            "test",
+            batches,
+            n,
+            preprocessor(model),
+            None if steps else length,
+            verbose,
+            on_first=functools.partial(self.guard.warm_up_again, model),
+        ):
+            data = self._wrap(model, "test", batches, n, preprocessor(model), steps)
+            with (
+                self.scope(),
+                self._session(model, {"test": contract}, data, batches, contract, patch),
+            ):
+                result = _keras(model, "evaluate")(
+                    data,
+                    verbose=verbose,
+                    steps=steps,
+                    callbacks=self._call_callbacks(model, callbacks, data, verbose, steps),
+                    return_dict=return_dict,
+                )
         self.guard.mark_warm(model, "test")
         return result
 

@@ -118,6 +118,25 @@ class Runtime:
         rows of (`keras_accel.data.grain.process_share`), or None (read it all)."""
         return None
 
+    def call_compilation(
+        self,
+        model,
+        kind: str,
+        batches,
+        steps_per_call: int,
+        preprocess,
+        call_steps,
+        verbose,
+        on_first,
+    ):
+        """A context around a `fit` (`kind` "train") or `evaluate` ("test") call, before its
+        batches are wrapped, where the backend compiles the call's steps other than the
+        model says (TensorFlow: XLA on a CPU, `tensorflow.xla.auto`); `call_steps`: the
+        call's steps, None where unknown; `on_first()` is called where a model's steps
+        change how they compile (its next traces are a warm-up). It puts the model back as
+        it leaves."""
+        return contextlib.nullcontext()
+
     def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
         """What `model.fit` (or `evaluate`) takes for the feeder's `batches` where this
         backend reads a whole call's steps at once, else None (`wrap`)."""

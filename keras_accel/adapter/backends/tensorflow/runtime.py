@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_accel.adapter import runtime
-from keras_accel.adapter.backends.tensorflow import checks, cluster
+from keras_accel.adapter.backends.tensorflow import checks, cluster, xla
 from keras_accel.adapter.backends.tensorflow.fused import fits_group_bytes, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
@@ -100,7 +100,7 @@ class Runtime(runtime.Runtime):
         if self.num_replicas > 1 and all(
             name.lower().startswith("cpu") for name in self.plan.devices
         ):
-            _without_xla(patches, model)
+            xla.without_xla(patches, model)
         if self.native is not None and first_batch is not None:
             # Keras builds a model from the first batch it reads (under a strategy, reduced
             # across replicas with MEAN first, which fails for strings and booleans: raw
@@ -171,19 +171,48 @@ class Runtime(runtime.Runtime):
         at batch 64: 32 reads 1.3 ms against 0.7 ms for the 32 steps)."""
         from keras_accel.data import tfdata
 
+        if not self._groups(batches, model, kind, steps_per_call, preprocess):
+            return None
+        return GroupedBatches(tfdata.ArrayGroups(batches, steps_per_call), batches)
+
+    def _groups(self, batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
         if self.native is not None or not self.groups_arrays(
             batches, model, kind, steps_per_call, preprocess
         ):
-            return None
+            return False
         # Known before the pipeline is built (its arrays copied, its function traced): a
         # group's bytes, the weights and the row mask as float32.
         static = batches.plan.static_rows
         weights = batches.sample_weight
         row = sum(a.itemsize * a[:1].size for a in flatten((batches.x, batches.y)) if a is not None)
         row += 4 * (1 if weights is None else weights[:1].size) + 4
-        if not fits_group_bytes(steps_per_call * static * row):
-            return None
-        return GroupedBatches(tfdata.ArrayGroups(batches, steps_per_call), batches)
+        return fits_group_bytes(steps_per_call * static * row)
+
+    def call_compilation(
+        self,
+        model,
+        kind: str,
+        batches,
+        steps_per_call: int,
+        preprocess,
+        call_steps,
+        verbose,
+        on_first,
+    ):
+        """XLA for this call where Keras left it off and it was measured faster
+        (`xla.auto`: one CPU device, a long call read a group at a time)."""
+        one_cpu = self.num_replicas == 1 and all(
+            name.lower().startswith("cpu") for name in self.plan.devices
+        )
+        return xla.auto(
+            model,
+            one_cpu,
+            call_steps,
+            lambda: self._groups(batches, model, kind, steps_per_call, preprocess),
+            verbose,
+            training=kind == "train",
+            on_first=on_first,
+        )
 
     def _keras_route(self, source, carry_mask: bool):
         """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
@@ -450,33 +479,3 @@ class DistributedBatches(PaddedBatchesAdapter):
     @property
     def num_batches(self):
         return self._num_batches
-
-
-_XLA_NOTED: list[bool] = []
-
-
-def _without_xla(patches: Patches, model) -> None:
-    """`compile(jit_compile=True)` under a MirroredStrategy over several CPU devices: the
-    call runs its steps as plain `tf.function`s. TensorFlow places every replica's XLA
-    cluster on the first CPU device, which then reads the other replicas' variables ("Trying
-    to access resource ... located in device CPU:1 from device CPU:0"): raw Keras fails
-    there too. Keras itself turns XLA off where it cannot run (`model_supports_jit`); the
-    numbers are the same, and the model keeps `jit_compile=True` after the call."""
-    if not model.jit_compile:
-        return
-    if not _XLA_NOTED:
-        _XLA_NOTED.append(True)
-        import warnings
-
-        from keras_accel.adapter.feeder import user_stacklevel
-
-        warnings.warn(
-            "keras_accel: jit_compile=True does not run under TensorFlow's MirroredStrategy "
-            "over several CPU devices (TensorFlow places every replica's XLA program on the "
-            "first device); the steps run without XLA, with the same results. On JAX every "
-            "step is compiled with XLA.",
-            stacklevel=user_stacklevel(),
-        )
-    # `jit_compile` is Keras's public property (its setter checks support): set and put back.
-    model.jit_compile = False
-    patches.add(lambda: setattr(model, "jit_compile", True))
