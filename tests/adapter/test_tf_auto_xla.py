@@ -39,13 +39,30 @@ def _data(rows=192):
     return x, y
 
 
-def _model(acc, dropout=0.0, **compile_kwargs):
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(5, activation="softmax")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def _model(acc, kind="dense", **compile_kwargs):
     keras.utils.set_random_seed(1)
     with acc.scope():
-        layers = [keras.Input((12,)), keras.layers.Dense(16, activation="relu")]
-        if dropout:
-            layers.append(keras.layers.Dropout(dropout))
-        model = keras.Sequential([*layers, keras.layers.Dense(5, activation="softmax")])
+        if kind == "subclassed":
+            model = Subclassed()
+        else:
+            layers = [keras.Input((12,))]
+            if kind == "conv":
+                layers += [keras.layers.Reshape((3, 4, 1)), keras.layers.Conv2D(2, 2)]
+                layers.append(keras.layers.Flatten())
+            layers.append(keras.layers.Dense(16, activation="relu"))
+            if kind == "dropout":
+                layers.append(keras.layers.Dropout(0.3))
+            model = keras.Sequential([*layers, keras.layers.Dense(5, activation="softmax")])
         model.compile(
             keras.optimizers.Adam(1e-2),
             "categorical_crossentropy",
@@ -103,15 +120,25 @@ def test_the_switch_after_short_calls_is_not_a_recompile(groups_run):
 
 @pytest.mark.parametrize(
     "case",
-    ["short", "dropout", "jit_compile_off_by_env", "steps_per_epoch", "replicas", "eager"],
+    [
+        "short",
+        "dropout",
+        "conv",
+        "subclassed",
+        "off_by_env",
+        "steps_per_epoch",
+        "replicas",
+        "eager",
+    ],
 )
 def test_xla_stays_off_where_it_was_not_measured_faster_or_is_not_ours(
     groups_run, monkeypatch, case
 ):
     x, y = _data()
     acc = Accelerator(seed=0, devices=2 if case == "replicas" else 1)
-    model = _model(acc, dropout=0.3 if case == "dropout" else 0.0, run_eagerly=case == "eager")
-    if case == "jit_compile_off_by_env":
+    kind = case if case in ("dropout", "conv", "subclassed") else "dense"
+    model = _model(acc, kind, run_eagerly=case == "eager")
+    if case == "off_by_env":
         monkeypatch.setenv("KERAS_ACCEL_TF_XLA", "0")
     kwargs = {"steps_per_epoch": 16} if case == "steps_per_epoch" else {}
     epochs = 1 if case == "short" else 3

@@ -8,19 +8,19 @@ exceptions, each for one call and put back when it returns:
   one XLA program per fused group (`fused._XlaGroup`), where that was measured to be faster.
   A small step without XLA runs op by op in TensorFlow's graph executor: a Dense 64-10 model
   at batch 64 took 0.17 s an epoch of 1,024 steps against 0.033 s as XLA groups
-  (docs/benchmarks.md, "Against a loop written by hand"). It needs all of:
-  the model left without XLA (`jit_compile` False: Keras's "auto" on a CPU, or the user's
-  explicit False, which Keras does not tell apart) and not `run_eagerly`; a model that
-  supports XLA (Keras's `jit_compile` setter checks); no layer that draws random numbers
-  (Dropout, noise layers: XLA's random numbers on a CPU are slow, the seed MLP's step took
-  3.3 times as long with XLA as without, and 0.81 times without its Dropout layers);
-  in-memory arrays read a group at a time (`Runtime.grouped`: other inputs would launch one
-  XLA program per step, slower than no XLA); and at least `AUTO_AFTER_STEPS` steps between
-  the model's training so far and this call (one XLA compilation pays for itself over about
-  that many small steps). Once
-  a model ran with it, its later calls keep it (its compiled steps are not traced again
-  for each call's choice). `KERAS_ACCEL_TF_XLA=0` keeps the model's setting always.
-  The numbers are XLA's: within float rounding of the steps without it, as with
+  (docs/benchmarks.md, "Against a loop written by hand"). It needs all of: the model left
+  without XLA (`jit_compile` False: Keras's "auto" on a CPU, or the user's explicit False,
+  which Keras does not tell apart) and not `run_eagerly`; a model of Keras's own classes
+  made only of the layers measured faster with XLA on a CPU (`MEASURED_FASTER`: the seed
+  MLP without its Dropout layers took 0.81 times as long a step; with them 3.3 times, XLA's
+  random numbers on a CPU being slow; the seed CNN at width 0.25, 74 times as long);
+  a model that supports XLA (Keras's `jit_compile` setter checks); in-memory arrays read a
+  group at a time (`Runtime.grouped`: other inputs would launch one XLA program per step,
+  slower than no XLA); and at least `AUTO_AFTER_STEPS` steps between the model's training
+  so far and this call (one XLA compilation pays for itself over about that many small
+  steps). Once a model ran with it, its later calls keep it (its compiled steps are not
+  traced again for each call's choice). `KERAS_ACCEL_TF_XLA=0` keeps the model's setting
+  always. The numbers are XLA's: within float rounding of the steps without it, as with
   `jit_compile=True`.
 - `without_xla`: under a MirroredStrategy over several CPU devices, a model compiled with
   `jit_compile=True` runs without XLA, which does not run there.
@@ -33,10 +33,24 @@ import os
 import warnings
 import weakref
 
+import keras
+
 # Steps (a fit's own plus the model's optimizer iterations before it) from which
 # `auto` turns XLA on: an XLA compilation of a small model's group takes about a second on
 # a CPU, and saves ~0.14 ms a step (the measurement in the module docstring).
 AUTO_AFTER_STEPS = int(os.environ.get("KERAS_ACCEL_TF_XLA_AFTER", "2000"))
+
+# The layers whose models' steps were measured faster with XLA on a CPU than without
+# (docs/accelerator.md, "TensorFlow with XLA"); a model with any other layer keeps Keras's
+# choice. Dropout and noise layers draw random numbers, slow in XLA on a CPU; convolutions
+# took 74 times as long (the seed CNN at width 0.25, batch 256).
+MEASURED_FASTER: tuple[type, ...] = (
+    keras.layers.InputLayer,
+    keras.layers.Dense,
+    keras.layers.BatchNormalization,
+    keras.layers.Activation,
+    keras.layers.Flatten,
+)
 
 # Models that ran with `auto`'s XLA: their later calls keep it.
 _AUTO: weakref.WeakSet = weakref.WeakSet()
@@ -48,11 +62,20 @@ def enabled() -> bool:
     return os.environ.get("KERAS_ACCEL_TF_XLA", "1") != "0"
 
 
-def draws_random_numbers(model) -> bool:
-    """Whether a layer of `model` holds a random seed's state (a Dropout, a noise layer, a
-    layer of the user's with a `keras.random.SeedGenerator`): Keras keeps those among a
-    layer's `variables` beside its `weights`."""
-    return len(model.variables) > len(model.weights)
+def measured_faster(model) -> bool:
+    """Whether `model` is one of Keras's own model classes (a user's subclass may compute
+    anything in its `call` or its steps) made only of `MEASURED_FASTER` layers."""
+    from keras_accel.utils import keras_internals
+
+    if not type(model).__module__.startswith("keras."):
+        return False
+    kinds = (keras.Model, *MEASURED_FASTER)
+    for layer in keras_internals.flatten_layers(model, include_self=False):
+        if type(layer) not in kinds and not (
+            isinstance(layer, keras.Model) and type(layer).__module__.startswith("keras.")
+        ):
+            return False
+    return True
 
 
 def prior_steps(model) -> int:
@@ -77,7 +100,7 @@ def auto(model, one_cpu: bool, call_steps: int | None, groups, verbose, training
             and call_steps is not None
             and not getattr(model, "run_eagerly", False)
             and model.jit_compile is False
-            and not draws_random_numbers(model)
+            and measured_faster(model)
             and call_steps + (prior_steps(model) if training else 0) >= AUTO_AFTER_STEPS
         )
     if not chosen or model.jit_compile is not False or getattr(model, "run_eagerly", False):
