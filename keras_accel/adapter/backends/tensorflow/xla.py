@@ -92,18 +92,19 @@ def auto(model, one_cpu: bool, call_steps: int | None, groups, verbose, training
     training so far where the call trains (an evaluation counts its own steps only);
     `groups()`: whether the call's batches, with XLA on, are read a group at a time;
     `on_first()`: called where a model's steps turn to XLA. Yields whether it turned XLA on."""
-    chosen = model in _AUTO
-    if not chosen:
-        chosen = (
-            enabled()
-            and one_cpu
-            and call_steps is not None
-            and not getattr(model, "run_eagerly", False)
-            and model.jit_compile is False
+    chosen = (
+        enabled()
+        and one_cpu
+        and model.jit_compile is False
+        and not getattr(model, "run_eagerly", False)
+        and (
+            model in _AUTO  # Its steps compiled with XLA already.
+            or call_steps is not None
             and measured_faster(model)
             and call_steps + (prior_steps(model) if training else 0) >= AUTO_AFTER_STEPS
         )
-    if not chosen or model.jit_compile is not False or getattr(model, "run_eagerly", False):
+    )
+    if not chosen:
         yield False
         return
     with warnings.catch_warnings():
