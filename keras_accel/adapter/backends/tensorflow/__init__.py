@@ -10,6 +10,7 @@ One module per job:
 - `losses`: Keras's loss scaling made uniform, and the global batch's loss reported;
 - `reduction`: sums, metrics' global results and multi-worker logs across replicas;
 - `fused`: N steps in one `tf.function` (`steps_per_execution`);
+- `xla`: where a call's steps run with XLA other than as the model was compiled;
 - `checks`: what TensorFlow refuses under a strategy, refused first in our words.
 """
 

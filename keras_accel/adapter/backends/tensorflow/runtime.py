@@ -97,9 +97,7 @@ class Runtime(runtime.Runtime):
         return n > 1 or self.plan.strategy == "multi_worker"
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
-        if self.num_replicas > 1 and all(
-            name.lower().startswith("cpu") for name in self.plan.devices
-        ):
+        if self.num_replicas > 1 and self._on_cpus():
             xla.without_xla(patches, model)
         if self.native is not None and first_batch is not None:
             # Keras builds a model from the first batch it reads (under a strategy, reduced
@@ -188,6 +186,9 @@ class Runtime(runtime.Runtime):
         row += 4 * (1 if weights is None else weights[:1].size) + 4
         return fits_group_bytes(steps_per_call * static * row)
 
+    def _on_cpus(self) -> bool:
+        return all(name.lower().startswith("cpu") for name in self.plan.devices)
+
     def call_compilation(
         self,
         model,
@@ -201,12 +202,9 @@ class Runtime(runtime.Runtime):
     ):
         """XLA for this call where Keras left it off and it was measured faster
         (`xla.auto`: one CPU device, a long call read a group at a time)."""
-        one_cpu = self.num_replicas == 1 and all(
-            name.lower().startswith("cpu") for name in self.plan.devices
-        )
         return xla.auto(
             model,
-            one_cpu,
+            self.num_replicas == 1 and self._on_cpus(),
             call_steps,
             lambda: self._groups(batches, model, kind, steps_per_call, preprocess),
             verbose,
