@@ -26,7 +26,11 @@ history) is its own column, the fixed cost of one `fit` call.
 Cases: `dense@64`, Dense 64 relu -> Dense 10 softmax on 32 features at batch 64 (1,024 steps
 per epoch); `mlp@256`, the library's seed MLP (`keras_accel.models.mlp`: eight blocks Dense ->
 BatchNorm -> ReLU -> Dropout(0.5) on (32, 32, 3) images) at batch 256 (64 steps per epoch),
-whose hand loops rebuild those layers.
+whose hand loops rebuild those layers; `cnn@256`, the seed CNN (`keras_accel.models.cnn`:
+five Conv2D -> BatchNorm -> ReLU blocks, two average poolings) at batch 256, 4 steps per
+epoch, with no hand loop: its Keras contestants against plain `model.fit` (the reference
+there), and on TensorFlow without the `jit_compile=True` rows (XLA's convolutions on a CPU
+take minutes a step at this size; docs/benchmarks.md).
 
 Every backend runs in its own child process, with that backend's default thread settings,
 the same for every contestant (all run in that one process). The child builds everything,
@@ -39,6 +43,7 @@ steps, and on dense@64 took about five epochs to settle here).
     python benchmarks/hand_loop.py --backends jax,tensorflow,torch
     python benchmarks/hand_loop.py --backends jax,tensorflow,torch --case dense@64,mlp@256
     python benchmarks/hand_loop.py --backends torch --warmup 5
+    python benchmarks/hand_loop.py --case cnn@256 --rounds 3 --warmup 1
 
 Prints one Markdown table per case; its ratio column is the reference hand loop's time over
 the contestant's (>1: the contestant is faster). The reference is the scan on JAX, the XLA
@@ -64,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {
     "dense@64": ("dense", 64, 64 * 1024),
     "mlp@256": ("mlp", 256, 256 * 64),
+    "cnn@256": ("cnn", 256, 256 * 4),  # No hand loop: the Keras contestants only.
 }
 GROUP = 32  # Steps per host call of the JAX and TensorFlow hand loops.
 # Keras's defaults, which the hand loops copy: Adam's and BatchNormalization's.
@@ -99,6 +105,8 @@ class Spec:
 def _spec(kind: str) -> Spec:
     if kind == "dense":
         return Spec((32,), (64,), batchnorm=False, dropout=0.0)
+    if kind == "cnn":  # Its input's shape only: no hand loop builds it.
+        return Spec((32, 32, 3), (), batchnorm=True, dropout=0.0)
     from keras_accel.models.seed import MLP_UNITS
 
     return Spec((32, 32, 3), tuple(MLP_UNITS), batchnorm=True, dropout=0.5)
@@ -422,7 +430,7 @@ def measure(args) -> dict:
     import numpy as np
 
     from keras_accel import Accelerator
-    from keras_accel.models import compile_seed, mlp
+    from keras_accel.models import cnn, compile_seed, mlp
 
     acc = Accelerator(seed=0)
     kind, batch, rows = CASES[args.case]
@@ -439,6 +447,8 @@ def measure(args) -> dict:
     def build(**compile_kwargs):
         if kind == "mlp":
             return compile_seed(mlp(input_shape=spec.input_shape, num_classes=10), **compile_kwargs)
+        if kind == "cnn":
+            return compile_seed(cnn(input_shape=spec.input_shape, num_classes=10), **compile_kwargs)
         model = keras.Sequential(
             [
                 keras.Input(spec.input_shape),
@@ -480,28 +490,30 @@ def measure(args) -> dict:
 
     with acc.scope():
         accelerated = build()
-    runs = HAND_LOOPS[acc.backend](spec, x, y, batch, _initial_weights(spec, rng))
+    hand = kind != "cnn"
+    runs = HAND_LOOPS[acc.backend](spec, x, y, batch, _initial_weights(spec, rng)) if hand else {}
     accelerated_fit = fitted(lambda m: functools.partial(acc.fit, m))
     runs["acc.fit"] = keras_epoch(accelerated_fit, accelerated)
     # Keras's "auto" leaves XLA off on TensorFlow on CPUs; `acc.fit` turns it on for the
     # dense model (a fit of 2,000 steps or more), not for the seed MLP's Dropout layers.
-    if acc.backend == "tensorflow":
+    if acc.backend == "tensorflow" and hand:
         with acc.scope():
             xla = build(jit_compile=True)
         runs["acc.fit, jit_compile=True"] = keras_epoch(accelerated_fit, xla)
     # What skipping the batch hooks no callback implements saves (keras_accel.adapter.
     # callback_list): the same call with Keras's own CallbackList, which dispatches them.
-    with acc.scope():
-        dispatched = build(jit_compile=True) if acc.backend == "tensorflow" else build()
-    runs[KERAS_DISPATCH[acc.backend]] = keras_epoch(
-        lambda m, timer: _with_keras_callback_list(accelerated_fit, m, timer), dispatched
-    )
+    if hand:
+        with acc.scope():
+            dispatched = build(jit_compile=True) if acc.backend == "tensorflow" else build()
+        runs[KERAS_DISPATCH[acc.backend]] = keras_epoch(
+            lambda m, timer: _with_keras_callback_list(accelerated_fit, m, timer), dispatched
+        )
     plain_fit = fitted(lambda m: m.fit)
     runs["model.fit"] = keras_epoch(plain_fit, build())
     runs["model.fit, steps_per_execution=32"] = keras_epoch(
         plain_fit, build(steps_per_execution=32)
     )
-    if acc.backend == "tensorflow":
+    if acc.backend == "tensorflow" and hand:
         runs["model.fit, steps_per_execution=32, jit_compile=True"] = keras_epoch(
             plain_fit, build(steps_per_execution=32, jit_compile=True)
         )
@@ -532,7 +544,7 @@ def measure(args) -> dict:
                 losses[name], seconds = result, time.perf_counter() - started
             times[name].append(seconds)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    reference = REFERENCE[acc.backend]
+    reference = REFERENCE[acc.backend] if hand else "model.fit"
     ref_s = medians.get(reference)
     return {
         "backend": acc.backend,
