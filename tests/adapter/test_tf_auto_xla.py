@@ -145,3 +145,22 @@ def test_xla_stays_off_where_it_was_not_measured_faster_or_is_not_ours(
     acc.fit(model, x, y, batch_size=12, epochs=epochs, verbose=0, **kwargs)
     assert not groups_run
     assert model.jit_compile is False
+
+
+def test_an_interrupted_fit_leaves_jit_compile_as_it_was_and_the_rerun_trains(groups_run):
+    x, y = _data()
+    acc = Accelerator(seed=0, devices=1)
+    model = _model(acc)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise KeyboardInterrupt  # A notebook's Ctrl-C, inside the XLA call.
+
+    with pytest.raises(KeyboardInterrupt):
+        acc.fit(model, x, y, batch_size=12, epochs=3, verbose=0, callbacks=[Interrupt()])
+    assert groups_run
+    assert model.jit_compile is False
+    history = acc.fit(model, x, y, batch_size=12, epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert model.jit_compile is False
+    assert acc.num_recompiles == 0
