@@ -18,11 +18,12 @@ import weakref
 import keras
 
 from keras_accel.adapter.protocol import run_context
+from keras_accel.callbacks import _faults
 from keras_accel.callbacks._lock import LOCK_NAME, DirectoryLock
 from keras_accel.callbacks._preemption import Preempted, Watch
 from keras_accel.callbacks.history import History
 from keras_accel.callbacks.learning_rate import optimizer_rate
-from keras_accel.state import engines, files, tree
+from keras_accel.state import checksums, engines, files, tree
 from keras_accel.utils import keras_internals, library_internals, process
 from keras_accel.utils.checks import check_positive_int
 from keras_accel.utils.printing import print_msg
@@ -39,6 +40,8 @@ KERAS_METADATA = "training_metadata.json"
 KERAS_FILES = (KERAS_WEIGHTS, KERAS_METADATA, f"{KERAS_WEIGHTS}.bkp", f"{KERAS_METADATA}.bkp")
 # The engine each backup_dir of this process was opened with.
 _OPEN: dict[str, object] = {}
+# The step each backup_dir of this process is writing in the background, until it is on disk.
+_WRITING: dict[str, int] = {}
 # The callback each backup_dir of this process was last trained with (weakly): the next fit
 # on that directory lets go of a fit an exception ended (`_abandon`).
 _RUNNING: dict[str, weakref.ref] = {}
@@ -59,11 +62,8 @@ def _finish_saves_at_exit() -> None:
         try:
             engine.wait()
         except Exception as error:  # Exiting anyway: say what was lost.
-            print(
-                f"BackupAndRestore: the last backup to {directory!r} could not be completed "
-                f"at exit: {type(error).__name__}: {error}",
-                file=sys.stderr,
-            )
+            print(_write_error(directory, _WRITING.get(directory), error, engine), file=sys.stderr)
+        _WRITING.pop(directory, None)
 
 
 def _wait_at_exit() -> None:
@@ -514,26 +514,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Block until every backup this callback started is on disk.
 
         Raises:
-            OSError: a background save failed (a full disk, a path that became unwritable);
-                the backups before it are intact.
+            OSError: a background save failed (a full disk, a path that became unwritable),
+                naming the directory, the step, the cause and the newest intact backup; the
+                failed step's files are removed, the backups before it are intact.
         """
         if self._engine is None:
             return
         try:
             self._engine.wait()
         except Exception as error:
-            raise self._save_error(None, error) from error
+            raise self._save_error(_WRITING.get(self.backup_dir), error) from error
+        finally:
+            _WRITING.pop(self.backup_dir, None)
 
     def _save_error(self, step: int | None, error: Exception) -> OSError:
-        which = "a backup" if step is None else f"the backup of step {step}"
-        kept = ""
-        with contextlib.suppress(Exception):
-            kept = f" The backups before it (steps {self._open().steps()}) are intact."
-        return OSError(
-            f"BackupAndRestore: writing {which} to {self.backup_dir!r} failed: "
-            f"{type(error).__name__}: {error}.{kept} Free space or fix the path, then run "
-            "the same fit again to resume from the last backup."
-        )
+        return _write_error(self.backup_dir, step, error, self._engine)
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -574,16 +569,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         # One checkpoint per training position, numbered by it: the steps done (the same as
         # epoch * steps + batch when the epoch length is known, which a direct call uses).
         step = int(epoch) * int(steps) + int(batch) if steps else int(self._steps_done)
+        # The save before this one, if still in flight, is on disk first: a failure of it
+        # is named as its own step's, not this one's.
+        self.wait()
         try:
             if engine.has(step):
                 # Only a backup this run restored past (an unusable one) sits at a step not
                 # yet done; this replaces it.
                 engine.wait()
                 engine.delete(step)
+            _WRITING[self.backup_dir] = step
             engine.save(step, state, meta)
             if not self.save_on_background:
                 engine.wait()
+                del _WRITING[self.backup_dir]
         except Exception as error:
+            _WRITING.pop(self.backup_dir, None)
             raise self._save_error(step, error) from error
         if process.is_chief():
             # Rate-limited: a forced one (an fsynced write) cost a third of the save.
@@ -719,16 +720,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             self._restore_keras(keras_files)
             return True
-        unusable = []
+        unusable = []  # (step, path, why): passed over, none restored yet.
+        damaged = []  # (step, checksums.Damaged): set aside once an intact one restores.
         for step in reversed(steps):
             path = engine.path(step)
             try:
+                # Every file against the sizes and CRC32Cs its commit recorded, before
+                # anything of it is read (tf.train checks its own as it reads).
+                engine.verify(step)
                 meta = engine.read_meta(step)
                 if meta.get("format") != FORMAT:
                     raise ValueError(f"not a {FORMAT} backup (format={meta.get('format')!r})")
+            except checksums.Damaged as damage:
+                damaged.append((step, damage))
+                unusable.append((step, path, str(damage)))
+                continue
             except Exception as error:  # Whatever the engine raises for a damaged record.
                 self._skip(path, error)
-                unusable.append(path)
+                unusable.append((step, path, f"{type(error).__name__}: {str(error)[:300]}"))
                 continue
             self._check_version(meta, path)
             self._check_steps(meta, path)
@@ -736,19 +745,44 @@ class BackupAndRestore(keras.callbacks.Callback):
             chosen = tree.to_restore(state, meta["manifest"], repr(path), self.partial_restore)
             try:
                 engine.restore(step, chosen, meta["manifest"])
+            except checksums.Damaged as damage:
+                damaged.append((step, damage))
+                unusable.append((step, path, str(damage)))
+                continue
             except Exception as error:
                 self._skip(path, error)
-                unusable.append(path)
+                unusable.append((step, path, f"{type(error).__name__}: {str(error)[:300]}"))
                 continue
+            self._set_aside(engine, damaged, step)
             self._apply(meta, chosen, path)
             return True
         if unusable:
-            raise RuntimeError(
-                f"BackupAndRestore: none of the backups in {self.backup_dir!r} can be read "
-                f"({', '.join(unusable)}). They were left as they are; move them away to "
-                "start training from scratch."
-            )
+            raise _faults.none_intact_error(self.backup_dir, unusable)
         return False
+
+    def _set_aside(self, engine, damaged: list, intact: int) -> None:
+        """Move the damaged steps found newer than the restored step `intact` out of the
+        engine's listing (kept under `damaged/`, never resumed from or counted as the latest
+        again), each with a warning naming the step, the file and what differs. Across
+        processes every one has read them before the chief moves them (a barrier), and none
+        goes on before they are gone."""
+        if not damaged:
+            return
+        several = process.num_processes() > 1
+        if several:
+            process.barrier("keras_accel.BackupAndRestore.damaged", self._model)
+        for step, damage in damaged:
+            where, why = None, ""
+            try:
+                where = engine.set_aside(step)
+            except Exception as error:  # The warning says so; the restore goes on.
+                why = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                _faults.damaged_warning(self.backup_dir, step, damage, where, why, intact),
+                stacklevel=4,
+            )
+        if several:
+            process.barrier("keras_accel.BackupAndRestore.set_aside", self._model)
 
     def _warn_interrupted(self, engine, steps: list[int]) -> None:
         """A save that never committed is no backup, but a run never drops one silently."""
@@ -1053,3 +1087,15 @@ def _version() -> str:
 def _quietly(function, *args) -> None:
     with contextlib.suppress(OSError, ValueError):
         function(*args)
+
+
+def _write_error(directory: str, step: int | None, error: Exception, engine) -> OSError:
+    """`_faults.write_error` with the engine's committed steps (None where it cannot list
+    them now)."""
+    intact = None
+    if engine is not None:
+        with contextlib.suppress(Exception):
+            intact = engine.steps()
+    return _faults.write_error(
+        directory, step, error, intact, engine.path if engine is not None else str
+    )

@@ -283,6 +283,22 @@ def rmtree(path: str) -> None:
         fs.rm(inner, recursive=True)
 
 
+def move(source: str, target: str) -> None:
+    """Move the file or directory `source` to `target` (its parent made where missing). A
+    rename on a local disk; on an object store a copy of every object, then their removal
+    (the store has no rename)."""
+    fs, inner = _fs(source)
+    _, inner_target = _fs(target)
+    if fs is None:
+        os.makedirs(os.path.dirname(inner_target) or ".", exist_ok=True)
+        os.replace(inner, inner_target)
+        return
+    if fs.isdir(inner):
+        fs.mv(inner, inner_target, recursive=True)
+    else:
+        fs.mv(inner, inner_target)
+
+
 def getmtime(path: str) -> float | None:
     """Modification time in seconds since the epoch, or None where the storage has none."""
     fs, inner = _fs(path)

@@ -9,8 +9,9 @@ commit marker `<tag>-N/COMMITTED`, written last.
   process) as it writes a local path: the state leaves the devices before `save` returns,
   the files are written in the background. A thread of this engine waits for them, uploads
   them while training goes on and, once every file is in the bucket, writes the marker (the
-  list of files and their sizes) in one request. One save is in flight at a time: the next
-  one first waits for the upload before it.
+  list of files with their sizes and CRC32Cs, `keras_accel.state.checksums`) in one
+  request. One save is in flight at a time: the next one first waits for the upload before
+  it.
 - **Atomic commit.** Only prefixes with their marker are listed by `steps()`. A process
   killed while uploading leaves a prefix without one: found when an engine opens the
   directory (`interrupted`) and removed by the chief. Deleting a checkpoint removes its
@@ -19,7 +20,9 @@ commit marker `<tag>-N/COMMITTED`, written last.
   whole prefixes. The staging directory keeps one step (the engine's own rotation); that of
   a killed process is removed by the next engine opened on the host.
 - **Restoring.** The step's objects are downloaded into a local tempdir in the engine's
-  layout, and an engine opened there reads them (the record, then the arrays).
+  layout, each checked against the size and CRC32C its marker lists (a damaged one is
+  `checksums.Damaged`, before the engine reads anything), and an engine opened there reads
+  them (the record, then the arrays).
 - **Processes.** tf.train's chief writes the checkpoint (the other workers write scratch
   copies, as on a local path) and uploads it. Orbax shards a save over the processes, and
   its primary host writes the metadata into a directory all of them see, which staging
@@ -41,7 +44,7 @@ import shutil
 import tempfile
 import threading
 
-from keras_accel.state import files
+from keras_accel.state import checksums, files
 from keras_accel.utils import process
 
 MARKER = "COMMITTED"
@@ -88,6 +91,9 @@ class Engine:
         self._per_process = getattr(module, "STAGED_PER_PROCESS", False)
         self._per_process = self._per_process and process.num_processes() > 1
         self._options = {"per_process": True} if self._per_process else {}
+        if getattr(module, "RECORDS", False):
+            # The marker records every file; the engine's own record would be a second pass.
+            self._options["record"] = False
         # The staging engine keeps one step: the upload of the one before it is done before
         # the next save begins (and the staging engine is used by one thread at a time).
         self._local = module.Engine(self._staging, 1, asynchronous=asynchronous, **self._options)
@@ -141,26 +147,31 @@ class Engine:
         if me != 0:
             # Whatever happens here, the chief hears it (it waits for every process).
             try:
-                sent = self._upload_files(step, entries, f"process-{me}")
+                sizes, crcs = self._upload_files(step, entries, f"process-{me}")
             except BaseException as error:
                 client.key_value_set(f"{key}/{me}", json.dumps({"error": repr(error)}), True)
                 raise
-            client.key_value_set(f"{key}/{me}", json.dumps({"files": sent}), True)
+            told = {"files": sizes, checksums.ALGORITHM: crcs}
+            client.key_value_set(f"{key}/{me}", json.dumps(told), True)
             return
         self._commit(step, entries, key)
 
-    def _upload_files(self, step: int, entries: list[str], under: str = "") -> dict[str, int]:
+    def _upload_files(
+        self, step: int, entries: list[str], under: str = ""
+    ) -> tuple[dict[str, int], dict[str, str]]:
         """Upload step `step`'s local files (under the step's prefix, in `under` there):
-        {their names in the prefix: sizes}."""
+        ({their names in the prefix: sizes}, {their names: CRC32Cs}), read from the local
+        files before they leave (this is the upload thread, not the training thread)."""
         target = self.path(step)
-        sizes = {}
+        sizes, crcs = {}, {}
         for entry in entries:
             for relative in _walk(self._staging, entry):
                 local = os.path.join(self._staging, relative)
                 name = "/".join(([under] if under else []) + relative.split(os.sep))
+                digest = checksums.digest(local)
                 files.upload(local, files.join(target, *name.split("/")))
-                sizes[name] = os.path.getsize(local)
-        return sizes
+                sizes[name], crcs[name] = digest["size"], digest[checksums.ALGORITHM]
+        return sizes, crcs
 
     def _commit(self, step: int, entries: list[str], key: str | None = None) -> None:
         """Upload step `step`'s local files, then (with `key`: once every other process said
@@ -168,7 +179,7 @@ class Engine:
         target = self.path(step)
         client = process.coordination_client() if key else None
         try:
-            sizes = self._upload_files(step, entries)
+            sizes, crcs = self._upload_files(step, entries)
             for other in range(1, process.num_processes()) if key else ():
                 told = json.loads(client.blocking_key_value_get(f"{key}/{other}", _WAIT_S * 1000))
                 # Read once: the coordination service keeps no more than a save in flight.
@@ -179,7 +190,9 @@ class Engine:
                         f"{step} to {target!r}: {told['error']}"
                     )
                 sizes.update(told["files"])
-            files.write_atomic(files.join(target, MARKER), json.dumps({"files": sizes}))
+                crcs.update(told.get(checksums.ALGORITHM, {}))
+            marker = {"files": sizes, checksums.ALGORITHM: crcs}
+            files.write_atomic(files.join(target, MARKER), json.dumps(marker))
         except BaseException:
             _remove_tree(target)
             raise
@@ -237,7 +250,8 @@ class Engine:
             local = tempfile.mkdtemp(prefix="keras_accel-restore-")
             try:
                 path = self.path(step)
-                listed = json.loads(files.read_text(files.join(path, MARKER)))["files"]
+                marker = self._marker(step)
+                listed, crcs = marker["files"], marker.get(checksums.ALGORITHM)
                 # The chief's files first: a file that other processes wrote too (the
                 # step's metadata) is the chief's; their own (shards) are added.
                 for name in sorted(listed, key=lambda name: name.startswith("process-")):
@@ -248,14 +262,56 @@ class Engine:
                     if os.path.exists(target):
                         continue
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with files.local_copy(files.join(path, name)) as copy:
-                        shutil.copyfile(copy, target)
+                    try:
+                        with files.local_copy(files.join(path, name)) as copy:
+                            shutil.copyfile(copy, target)
+                    except FileNotFoundError as error:
+                        raise checksums.Damaged(name, "missing") from error
+                    # Checked on the local copy: the download is read once more, from the
+                    # page cache, instead of a second download. Markers written before
+                    # CRC32Cs were recorded have the sizes alone.
+                    expected = {"size": listed[name], checksums.ALGORITHM: (crcs or {}).get(name)}
+                    checksums.check(target, name, expected)
                 reader = self.module.Engine(local, 1, asynchronous=False, **self._options)
             except BaseException:
                 shutil.rmtree(local, ignore_errors=True)
                 raise
             self._fetched[step] = (local, reader)
         return self._fetched[step][1]
+
+    def _marker(self, step: int) -> dict:
+        try:
+            text = files.read_text(files.join(self.path(step), MARKER))
+        except FileNotFoundError as error:
+            raise checksums.Damaged(MARKER, "missing") from error
+        try:
+            marker = json.loads(text)
+            marker["files"].items()  # noqa: B018 - the shape is what is checked.
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise checksums.Damaged(MARKER, f"unreadable ({type(error).__name__})") from error
+        return marker
+
+    def verify(self, step: int) -> bool:
+        """Download step `step` and check every file against its marker (kept for the
+        restore that follows): False where the marker records sizes only.
+
+        Raises:
+            checksums.Damaged: a file differs from the marker, or is gone.
+        """
+        self._reader(step)
+        return checksums.ALGORITHM in self._marker(step)
+
+    def set_aside(self, step: int) -> str:
+        """Move the damaged step `step` to `damaged/` (the chief; kept, never listed
+        again); returns where it is now."""
+        fetched = self._fetched.pop(step, None)
+        if fetched is not None:
+            fetched[1].close()
+            shutil.rmtree(fetched[0], ignore_errors=True)
+        target = checksums.aside(self.directory, f"{self._tag}-{int(step)}")
+        if process.is_chief():
+            files.move(self.path(step), target)
+        return target
 
     def read_meta(self, step: int) -> dict:
         return self._reader(step).read_meta(step)

@@ -18,6 +18,8 @@ import keras
 import numpy as np
 import pytest
 
+from keras_accel.state import checksums
+
 pytestmark = [
     pytest.mark.torch,
     pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch engine"),
@@ -298,8 +300,13 @@ def test_two_processes_restore_one_process_state_and_one_process_restores_theirs
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
+        "keras_accel.checksums.json",
         "meta.json",
     ]
+    # The chief recorded both processes' files before DCP's commit, and they check out.
+    record = json.loads((two / "dcp-15" / "keras_accel.checksums.json").read_text())
+    assert sorted(record["files"]) == ["__0_0.distcp", "__1_0.distcp", "meta.json"]
+    assert checksums.verify(str(two / "dcp-15"))
     engine = _engine(two)
     assert engine.read_meta(15) == {"step": 15, "writer_count": 2}
     restored = _state(_model())

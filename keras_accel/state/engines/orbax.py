@@ -17,17 +17,21 @@ except ImportError as error:  # pragma: no cover - exercised on installs without
         '`pip install "keras-accel[jax]"`).'
     ) from error
 
-from keras_accel.state import files, staged
+from keras_accel.state import checksums, files, staged
 
 NAME = "orbax"
 STAGED_TAG = "orbax"  # Checkpoint N at a URL Orbax cannot write: `<backup_dir>/orbax-N/`.
 # Staged over several processes, each process stages its own shards (`per_process`).
 STAGED_PER_PROCESS = True
+RECORDS = True  # `Engine(record=...)`: it writes checksum records (the staged path: off).
 WRITES = "local paths and gs:// itself, and through a local staging directory any URL fsspec has"
 STATE, META = "state", "meta"
 # Orbax writes step N into `N.orbax-checkpoint-tmp...` and renames it when committed.
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp[^/]*")
 _COMMITTED = "commit_success.txt"  # Orbax's commit marker on object stores.
+# Orbax's bookkeeping, which it rewrites at the commit, after the checksum record: the step's
+# metadata (its commit time) and its commit markers. Not training state.
+_UNRECORDED = ("_CHECKPOINT_METADATA", _COMMITTED)
 
 
 def native(path: str) -> bool:
@@ -68,7 +72,12 @@ class Engine:
     name = NAME
 
     def __init__(
-        self, directory: str, max_to_keep: int, asynchronous: bool, per_process: bool = False
+        self,
+        directory: str,
+        max_to_keep: int,
+        asynchronous: bool,
+        per_process: bool = False,
+        record: bool = True,
     ):
         """`per_process`: `directory` is this process's own (a staging directory, or a
         download of a staged step), not one that every process sees. Orbax's primary host
@@ -78,12 +87,24 @@ class Engine:
         arrays' shards and the metadata. Without OCDBT: each shard is a file of its own
         (`state/<key>/<chunk>`), written by the one process that holds it, so the files
         of all processes together are the whole checkpoint; with OCDBT each process's
-        per-process database is merged by the one primary host, which there is none of."""
+        per-process database is merged by the one primary host, which there is none of.
+
+        `record`: write each step's checksum record (`keras_accel.state.checksums`) into
+        it before Orbax commits it. Orbax's post-finalization callback does it, in Orbax's
+        writer thread, after its handlers finalized the step and before the rename (or
+        the commit marker on gs://): a step is committed with its record or not at all.
+        Only Orbax's asynchronous checkpointer runs that callback, so with `record` every
+        save is asynchronous and `asynchronous=False` waits for it. The staged path records
+        the files in its own marker instead (`record=False` there)."""
         self.directory = files.local_path(directory)
+        self.asynchronous = asynchronous
+        self.record = record
+        self._writing: int | None = None  # The step of the save in flight.
         # Saves a kill interrupted, found before the manager removes their leftovers.
         leftovers = _interrupted(self.directory)
         self.interrupted = sorted(leftovers)
-        if leftovers and (per_process or jax.process_index() == 0):
+        self._primary = per_process or jax.process_index() == 0
+        if leftovers and self._primary:
             # The leftovers are removed before the manager exists: Orbax's own cleanup runs
             # in a thread that may not have finished when a caller (or the user) looks, and
             # removing them beside it made that thread fail the next save (FileNotFoundError).
@@ -94,7 +115,10 @@ class Engine:
         hosts = ocp.options.MultiprocessingOptions(primary_host=None if per_process else 0)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            enable_async_checkpointing=asynchronous,
+            enable_async_checkpointing=asynchronous or record,
+            async_options=ocp.options.AsyncOptions(post_finalization_callback=self._seal)
+            if record
+            else None,
             create=True,
             # Leftovers of a save that a kill interrupted are removed when a run starts.
             cleanup_tmp_directories=True,
@@ -114,16 +138,39 @@ class Engine:
             self.directory, options=options, item_handlers=handlers
         )
 
+    def _seal(self) -> None:
+        """Orbax's post-finalization callback (its writer thread, on the primary host): the
+        record of the step's files, written into the step before Orbax commits it."""
+        checksums.seal(self._unfinished(self._writing), skip=_UNRECORDED)
+
+    def _unfinished(self, step: int) -> str:
+        """Where Orbax writes step `step` before it commits it: locally the temporary
+        directory it then renames, on an object store the step itself."""
+        if files.is_remote(self.directory):
+            return self.path(step)
+        names = [m.group(0) for m in map(_TMP.match, files.listdir(self.directory)) if m]
+        names = [name for name in names if int(name.split(".", 1)[0]) == step]
+        if len(names) != 1:
+            raise RuntimeError(
+                f"Orbax's temporary directory of step {step} in {self.directory!r} is not "
+                f"the one expected: found {names}."
+            )
+        return files.join(self.directory, names[0])
+
     def save(self, step: int, variables: dict, meta: dict) -> None:
         tree = {_key(key): variable.value for key, variable in variables.items()}
         args = ocp.args.Composite(
             **{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta)}
         )
+        self.wait()  # Orbax waits for the save before too; its failure is raised here.
+        self._writing = step
         # force: our save policy is the callback's (save_freq), not Orbax's.
         self.manager.save(step, args=args, force=True)
+        if not self.asynchronous:
+            self.wait()
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return files.join(self.directory, str(step))
 
     def step_entries(self, step: int) -> list[str]:
         """The names in the directory that checkpoint `step` wrote (for staged uploads)."""
@@ -139,7 +186,49 @@ class Engine:
         return arrays, os.path.join(self.path(step), META)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is committed. A save that failed (a full disk) is
+        raised here, once, and its files are removed: nothing of it is left to look like
+        a step (locally Orbax never renamed it; on gs:// it never got its commit marker)."""
+        step = self._writing
+        try:
+            self.manager.wait_until_finished()
+        except BaseException:
+            if step is not None:
+                self._discard(step)
+            raise
+        finally:
+            # Only now: Orbax's thread reads it to find the step it records.
+            self._writing = None
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of `step` wrote (the primary host; every process's
+        files are in the one directory)."""
+        if self._primary:
+            leftovers = _interrupted(self.directory)
+            names = [leftovers[step]] if step in leftovers else []
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    files.rmtree(files.join(self.directory, name))
+        with contextlib.suppress(Exception):
+            self.manager.reload()
+
+    def verify(self, step: int) -> bool:
+        """Check step `step`'s files against its checksum record (`checksums.verify`):
+        False where it has none (written before records).
+
+        Raises:
+            checksums.Damaged: a file differs from the record, or is gone.
+        """
+        return checksums.verify(self.path(step))
+
+    def set_aside(self, step: int) -> str:
+        """Move the damaged step `step` to `damaged/` (kept, never listed again); returns
+        where it is now."""
+        target = checksums.aside(self.directory, str(step))
+        if self._primary:
+            files.move(self.path(step), target)
+        self.manager.reload()
+        return target
 
     def steps(self) -> list[int]:
         # Listed from disk, once the saves in flight are done (reloading while one is in
@@ -183,7 +272,7 @@ class Engine:
             variable.assign(restored[_key(key)])
 
     def has(self, step: int) -> bool:
-        return step in self.manager.all_steps()
+        return step in self.steps()  # From disk: a step the chief set aside is gone.
 
     def delete(self, step: int) -> None:
         if step in self.steps():

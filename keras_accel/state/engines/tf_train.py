@@ -1,7 +1,14 @@
-"""tf.train on TensorFlow: `tf.train.Checkpoint` with `CheckpointManager`, asynchronous."""
+"""tf.train on TensorFlow: `tf.train.Checkpoint` with `CheckpointManager`, asynchronous.
+
+A damaged checkpoint is caught by TensorFlow's own checksums (each tensor's CRC32C in the
+index, each index block's), so no record of ours is written: `verify` reads the step
+through TensorFlow's reader before a restore, and raises `checksums.Damaged` naming the
+file and TensorFlow's words for what differs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,7 +16,7 @@ import tempfile
 
 import tensorflow as tf
 
-from keras_accel.state import files, staged
+from keras_accel.state import checksums, files, staged
 from keras_accel.utils import process
 
 NAME = "tf.train"
@@ -44,6 +51,13 @@ class _Meta(tf.train.experimental.PythonState):
         self.value = value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+# TensorFlow's words for a damaged checkpoint: a tensor whose CRC32C differs ("TensorBundle
+# at <prefix> shard 0 (65536 bytes): Checksum does not match: ..."), a data file shorter than
+# the index says, an index that cannot be read ("Unable to read file (<prefix>.index) ...
+# block checksum mismatch").
+_SHARD = re.compile(r"shard (\d+) \(\d+ bytes\): (.*?)(?: \[Op:\w+\])?$", re.S)
+_INDEX = re.compile(r"Unable to read file \((.*?\.index)\)\.? ?(.*)", re.S)
+_SHORT = ("Read less bytes than requested", "Read fewer bytes than requested")
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
 _TEMP = re.compile(rf"^{PREFIX}-(\d+)_temp")
 _DATA = re.compile(rf"^{PREFIX}-(\d+)\.data-")
@@ -95,6 +109,7 @@ class Engine:
         self._manager = None
         self._meta = None
         self._keys: tuple | None = None
+        self._writing: int | None = None  # The step of the save in flight.
 
     def _bind(self, variables: dict) -> None:
         keys = tuple(variables)
@@ -117,7 +132,13 @@ class Engine:
         self._bind(variables)
         self.wait()  # TF's save waits for the previous write too; the record is shared.
         self._meta.value = json.dumps(meta)
-        self._manager.save(checkpoint_number=step, options=self.options)
+        self._writing = step
+        try:
+            self._manager.save(checkpoint_number=step, options=self.options)
+        except BaseException:
+            self._writing = None
+            self._discard(step)
+            raise
 
     def path(self, step: int) -> str:
         return self._path(step)
@@ -132,8 +153,104 @@ class Engine:
         return (data[0] if data else f"{self._path(step)}.data"), f"{self._path(step)}.index"
 
     def wait(self) -> None:
-        if self._checkpoint is not None:
+        """Until the save in flight is on disk. A save that failed in the background (a
+        full disk) is raised here, once, and its files are removed (a `ckpt-N_temp`, or
+        data without its index, would read as a killed save)."""
+        step, self._writing = self._writing, None
+        if self._checkpoint is None:
+            return
+        try:
             self._checkpoint.sync()
+            index = os.path.join(self._scratch or self.directory, f"{PREFIX}-{step}.index")
+            if step is not None and not tf.io.gfile.exists(index):
+                self._raise_background_error(step)
+        except BaseException:
+            if step is not None:
+                self._discard(step)
+            raise
+
+    def _raise_background_error(self, step: int) -> None:
+        """Raise the error of step `step`'s background write, which ended without its index.
+
+        `sync()` returns without it: TensorFlow keeps it for the checkpoint's next write,
+        which raises it before it writes anything, and the next save would then report it
+        as its own step's. A write is asked for at once, into a scratch prefix of a temporary
+        directory (removed), to raise it here, at the step it belongs to."""
+        scratch = tempfile.mkdtemp(prefix="keras_accel-tf-error-")
+        try:
+            self._checkpoint.write(os.path.join(scratch, "probe"), options=self.options)
+            self._checkpoint.sync()
+        finally:
+            _remove(scratch)
+        raise RuntimeError(
+            f"TensorFlow's background write of step {step} to {self.directory!r} ended "
+            "without its index, and TensorFlow kept no error for it."
+        )
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of `step` wrote, none of which is listed: the state
+        file names a step only once its index is written."""
+        if self._scratch is not None:
+            return
+        for path in tf.io.gfile.glob(f"{self._path(step)}[._]*"):
+            with contextlib.suppress(tf.errors.OpError):
+                _remove(path)
+
+    def verify(self, step: int) -> bool:
+        """Read every tensor of step `step` through TensorFlow's checkpoint reader, which
+        checks each against the CRC32C its index holds (True: checked). Checked before the
+        restore, not by it: a restore that fails part-way leaves TensorFlow's objects
+        waiting for the values it never assigned, which warn of them, a line each, when the
+        process ends ("... is being deleted with unrestored values").
+
+        Raises:
+            checksums.Damaged: a file is damaged (named, with TensorFlow's words).
+        """
+        with self._damaged_as(step):
+            reader = tf.train.load_checkpoint(self._path(step))
+            for name in reader.get_variable_to_dtype_map():
+                reader.get_tensor(name)
+        return True
+
+    def set_aside(self, step: int) -> str:
+        """Move the damaged step `step`'s files to `damaged/ckpt-N-<time>/` (the chief; kept,
+        never listed again); returns where they are now."""
+        target = checksums.aside(self.directory, f"{PREFIX}-{int(step)}")
+        if process.is_chief():
+            tf.io.gfile.makedirs(target)
+            for path in tf.io.gfile.glob(f"{self._path(step)}.*"):
+                tf.io.gfile.rename(path, os.path.join(target, os.path.basename(path)))
+        return target
+
+    def _damage(self, step: int, error: BaseException) -> checksums.Damaged | None:
+        """`error` as `checksums.Damaged` where TensorFlow found step `step` damaged (its
+        file and TensorFlow's words), else None (another failure: a store that did not
+        answer, a missing permission)."""
+        text = str(error)
+        shard, index = _SHARD.search(text), _INDEX.search(text)
+        data = sorted(tf.io.gfile.glob(f"{self._path(step)}.data-*"))
+        checksum = isinstance(error, tf.errors.DataLossError) or "checksum" in text.lower()
+        if shard and checksum and int(shard.group(1)) < len(data):
+            return checksums.Damaged(os.path.basename(data[int(shard.group(1))]), shard.group(2))
+        if index:
+            return checksums.Damaged(os.path.basename(index.group(1)), index.group(2).strip())
+        if any(words in text for words in _SHORT):
+            which = ", ".join(os.path.basename(path) for path in data) or "its data"
+            return checksums.Damaged(which, f"shorter than its index says ({text.strip()})")
+        if isinstance(error, tf.errors.DataLossError):
+            return checksums.Damaged(f"{PREFIX}-{int(step)}", text.strip())
+        return None
+
+    @contextlib.contextmanager
+    def _damaged_as(self, step: int):
+        """Raise `checksums.Damaged` for TensorFlow's errors that mean a damaged file."""
+        try:
+            yield
+        except Exception as error:  # TensorFlow's OpErrors, and its reader's own.
+            damage = self._damage(step, error)
+            if damage is None:
+                raise
+            raise damage from error
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"{PREFIX}-{step}")
@@ -151,9 +268,10 @@ class Engine:
         return sorted(set(numbers))
 
     def read_meta(self, step: int) -> dict:
-        reader = tf.train.load_checkpoint(self._path(step))
-        key = next((k for k in _META_KEYS if reader.has_tensor(k)), _META_KEYS[0])
-        value = reader.get_tensor(key)
+        with self._damaged_as(step):
+            reader = tf.train.load_checkpoint(self._path(step))
+            key = next((k for k in _META_KEYS if reader.has_tensor(k)), _META_KEYS[0])
+            value = reader.get_tensor(key)
         return json.loads(value.decode("utf-8") if isinstance(value, bytes) else value)
 
     def has(self, step: int) -> bool:
@@ -165,9 +283,10 @@ class Engine:
         )
         # Every asked-for value must be in the checkpoint (the caller checked the manifest);
         # the meta record and anything the caller chose not to restore are left unread.
-        status = checkpoint.restore(self._path(step))
-        status.expect_partial()
-        status.assert_existing_objects_matched()
+        with self._damaged_as(step):
+            status = checkpoint.restore(self._path(step))
+            status.expect_partial()
+            status.assert_existing_objects_matched()
 
     def delete(self, step: int) -> None:
         for path in tf.io.gfile.glob(f"{self._path(step)}.*"):

@@ -14,8 +14,12 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
   or a bucket), as Orbax's must.
 - **Atomic commit.** DCP writes `.metadata` last, to a temporary name that is fsynced and
   renamed: a checkpoint is committed when its `.metadata` exists, and only those are listed
-  by `steps()`. A process killed while writing leaves a `dcp-N` without it: found when an
-  engine opens the directory (`interrupted`) and removed by the chief. Deleting a
+  by `steps()`. Just before, in DCP's `finish` on the coordinator (the thread that writes,
+  once every process wrote its share), the chief records every file's size and CRC32C in
+  `keras_accel.checksums.json` (`keras_accel.state.checksums`), which a restore checks
+  first: DCP itself reads a damaged byte back without a word. A process killed while
+  writing leaves a `dcp-N` without `.metadata`: found when an engine opens the directory
+  (`interrupted`) and removed by the chief. Deleting a
   checkpoint removes its `.metadata` first, so a deletion that a kill interrupts leaves no
   checkpoint that looks complete.
 - **Asynchronous save** (`dcp.async_save` across processes; in one process, DCP's saver in
@@ -49,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from keras_accel.state import files
+from keras_accel.state import checksums, files
 from keras_accel.utils import library_internals, process
 
 NAME = "torch.distributed.checkpoint"
@@ -114,9 +118,13 @@ class Engine:
                 concurrent.futures.wait([other._pending[1]])
         path = self.path(step)
         if process.is_chief():
-            files.makedirs(path)
-            # Before DCP's commit, which the chief writes after every process's share.
-            files.write_atomic(files.join(path, META), json.dumps(meta))
+            try:
+                files.makedirs(path)
+                # Before DCP's commit, which the chief writes after every process's share.
+                files.write_atomic(files.join(path, META), json.dumps(meta))
+            except BaseException:
+                self._failed(step)  # An empty `dcp-N` would read as a killed save.
+                raise
         state = {key: _tensor(variable) for key, variable in variables.items()}
         writer = _writer(path)
         alone = not self._distributed()
@@ -160,6 +168,23 @@ class Engine:
         # A save that raised never committed: its files are no checkpoint.
         if process.is_chief():
             _remove_tree(self.path(step))
+
+    def verify(self, step: int) -> bool:
+        """Check step `step`'s files against its checksum record: False where it has none
+        (written before records).
+
+        Raises:
+            checksums.Damaged: a file differs from the record, or is gone.
+        """
+        return checksums.verify(self.path(step))
+
+    def set_aside(self, step: int) -> str:
+        """Move the damaged step `step` to `damaged/` (the chief; kept, never listed again);
+        returns where it is now."""
+        target = checksums.aside(self.directory, f"{PREFIX}{int(step)}")
+        if process.is_chief():
+            files.move(self.path(step), target)
+        return target
 
     def _committed(self) -> None:
         """Rotation, once the newest save is committed: the chief removes the oldest
@@ -323,8 +348,21 @@ def _tensor(variable) -> torch.Tensor:
 
 def _writer(path: str):
     if files.is_remote(path):
-        return library_internals.dcp_fsspec_writer(path)
-    return dcp.FileSystemWriter(path)
+        writer = library_internals.dcp_fsspec_writer(path)
+    else:
+        writer = dcp.FileSystemWriter(path)
+    finish = writer.finish
+
+    def recorded_finish(*args, **kwargs):
+        # DCP's coordinator, once every process has written its share and before DCP's
+        # commit (`.metadata`): a committed step always has its checksum record.
+        checksums.seal(path, skip=(COMMIT,))
+        return finish(*args, **kwargs)
+
+    # On the object, not a subclass: the writer class is DCP's (or fsspec's, reached
+    # through library_internals), and `finish` is the public StorageWriter hook.
+    writer.finish = recorded_finish
+    return writer
 
 
 def _reader(path: str):
