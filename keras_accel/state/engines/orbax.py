@@ -225,7 +225,15 @@ class Engine:
         """Move the damaged step `step` to `damaged/` (kept, never listed again); returns
         where it is now."""
         target = checksums.aside(self.directory, str(step))
-        if self._primary:
+        if self._primary and files.is_remote(self.directory):
+            # Removed through etils, Orbax's own file layer, whose file system object keeps
+            # its listings: one that still showed the step would make Orbax's next save of
+            # that step number remove it again, and fail (FileNotFoundError).
+            from etils import epath
+
+            files.copy(self.path(step), target)
+            epath.Path(self.path(step)).rmtree()
+        elif self._primary:
             files.move(self.path(step), target)
         self.manager.reload()
         return target
