@@ -23,7 +23,9 @@ from __future__ import annotations
 import keras
 
 from keras_accel.adapter.fusion import batch_hooks
+from keras_accel.adapter.protocol import run_context
 from keras_accel.data.adapters import PaddedBatchesAdapter
+from keras_accel.state import keras_writers
 
 KINDS = ("train", "test", "predict")
 
@@ -85,6 +87,8 @@ def for_call(model, callbacks, data, *, verbose, epochs: int = 1, steps=None, hi
     would wrap them for `data` and `steps` (its `steps_per_epoch` or `steps`), as our
     `CallbackList`; `callbacks` as they are where `data` is not one of our adapters or they
     are a `CallbackList` already."""
+    # Keras's own file writers (TensorBoard, CSVLogger, ModelCheckpoint): the chief's files.
+    keras_writers.chief_writes(callbacks, run_context(model).call_on_exit)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     if not isinstance(data, PaddedBatchesAdapter) or getattr(data, "counts_lazily", False):

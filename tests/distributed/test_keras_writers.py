@@ -1,0 +1,82 @@
+"""Keras's own file-writing callbacks over 2 processes (`keras-accel launch -n 2`, the script
+unchanged): one set of files, the chief's, as one process writes them
+(keras_accel/state/keras_writers.py)."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import BACKEND
+from tests.distributed.test_multi_process import LOCAL_DEVICES, TIMEOUT_S, _launch_command
+
+pytestmark = pytest.mark.torch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "_writers.py")
+
+
+def _events(directory):
+    """{tag: [(step, value)]} of the scalars in every event file under `directory`."""
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append(event.step)
+    return found
+
+
+def _written(workdir):
+    """What the run's writers left: per TensorBoard directory, how many event files and the
+    steps of each scalar; the CSV log's epochs; the checkpoint files."""
+    boards = {}
+    for name in ("train", "validation"):
+        directory = os.path.join(workdir, "tb", name)
+        count = len(glob.glob(os.path.join(directory, "events.out.tfevents.*")))
+        boards[name] = (count, _events(directory))
+    with open(os.path.join(workdir, "log.csv")) as f:
+        rows = f.read().splitlines()
+    return boards, [row.split(",")[0] for row in rows], sorted(os.listdir(workdir / "ckpt"))
+
+
+def _run(command, workdir, scratch):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch))
+    env.pop("KERAS_ACCEL_TEST_DEVICES", None)
+    result = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def test_tensorboard_csv_logger_and_model_checkpoint_write_once_over_two_processes(tmp_path):
+    """Before: TensorBoard's event files from both processes (every curve twice), CSVLogger's
+    rows appended by both; now what one process writes."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    _run([sys.executable, SCRIPT, str(one), "--devices", str(LOCAL_DEVICES)], one, scratch)
+    _run(_launch_command(two, script=SCRIPT), two, scratch)
+
+    boards, epochs, checkpoints = _written(two)
+    assert (boards, epochs, checkpoints) == _written(one)
+    assert boards["train"][1]["epoch_loss"] == [0, 1] and epochs == ["epoch", "0", "1"]
+    assert checkpoints == ["model.keras"]
+    # Every process's callbacks point where the script put them; no scratch is left.
+    for process in (0, 1):
+        seen = json.loads((two / f"writers-{process}.json").read_text())
+        assert seen == {
+            "log_dir": str(two / "tb"),
+            "filename": str(two / "log.csv"),
+            "filepath": str(two / "ckpt" / "model.keras"),
+        }, (process, BACKEND)
+    assert not glob.glob(str(scratch / "keras_accel-not-chief-*"))
