@@ -15,6 +15,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 _KERAS_HOME = tempfile.mkdtemp(prefix="keras-accel-tests-home-")
 atexit.register(shutil.rmtree, _KERAS_HOME, ignore_errors=True)
 os.environ["KERAS_HOME"] = _KERAS_HOME
+# Whether a model's steps run compiled is decided by timing them (keras_accel.adapter.choice);
+# on a shared machine timing must not decide which way, so which numbers, a test sees: no
+# trial unless a test asks (tests/adapter/test_choice.py and the tests of each backend's
+# choice set their own threshold, and a decisions file of their own).
+os.environ.setdefault("KERAS_ACCEL_JIT_COMPILE_AFTER", "1e9")
+os.environ.setdefault("KERAS_ACCEL_JIT_COMPILE_CACHE", "0")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

@@ -185,3 +185,33 @@ class Batches(keras.utils.PyDataset):
     def __getitem__(self, index):
         part = slice(index * self.batch_size, (index + 1) * self.batch_size)
         return self.x[part], self.y[part]
+
+
+def timed_ways(monkeypatch, plain: float, compiled: float, compile_s: float = 0.0, tmp_path=None):
+    """The compiled-or-plain trial (`keras_accel.adapter.choice`) as if every unit took
+    `plain` or `compiled` seconds a step (plus `compile_s` for the compiled way's first),
+    whatever it really took, starting at once: what a test of the choice needs to decide
+    the same way on a loaded machine. Decisions are kept in no file, or in one under
+    `tmp_path`; none from an earlier test is remembered. Returns the list of every
+    `(way, steps)` unit recorded."""
+    from keras_accel.adapter import choice, choice_cache
+
+    units = []
+    record = choice.Choice.record
+
+    def fake(self, path, seconds, steps):
+        units.append((path, steps))
+        first = path == choice.COMPILED and self._first[choice.COMPILED]
+        per = plain if path == choice.PLAIN else compiled
+        return record(self, path, per * steps + (compile_s if first else 0.0), steps)
+
+    monkeypatch.setattr(choice.Choice, "record", fake)
+    monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_AFTER", "0")
+    if tmp_path is None:
+        monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_CACHE", "0")
+    else:
+        monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_CACHE", "1")
+        monkeypatch.setattr(choice_cache, "path", lambda: str(tmp_path / "compile_choices.json"))
+    choice_cache.forget()
+    monkeypatch.setattr(choice_cache, "_DECISIONS", {})
+    return units

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_accel.adapter import backends, callback_list, fusion, layouts
+from keras_accel.adapter import backends, callback_list, choice, fusion, layouts
 from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.guard import RecompileGuard
@@ -90,6 +90,15 @@ class Accelerator:
             Keras does there (layers built with `synchronized=True` still
             synchronize). On JAX the program sees the global batch, so statistics are
             global either way, as in Keras.
+        jit_compile: how `fit` and `evaluate` run a model's steps where there are two
+            ways with the same numbers: TensorFlow on one device (a group of steps as
+            one XLA program or as TensorFlow's graph) and torch (Keras's step compiled
+            as one program, or eager). "auto" (default) times both on the model itself
+            and keeps the faster, remembered per model architecture, input signature
+            and machine (`keras_accel.adapter.choice`); True always compiles, False
+            runs the steps as Keras does. `KERAS_ACCEL_JIT_COMPILE=1|0` does the same
+            for "auto", and a model compiled with `jit_compile=True` or `False` keeps
+            its own. JAX compiles every step, as Keras does.
 
     Example:
         >>> import keras, numpy as np
@@ -115,8 +124,10 @@ class Accelerator:
         remainder: str | None = None,
         steps_per_execution: str | int = fusion.AUTO,
         sync_batchnorm: bool = True,
+        jit_compile: str | bool = choice.AUTO,
     ):
         check_strategy_name(strategy)
+        self.jit_compile = choice.check_setting(jit_compile)
         self.steps_per_execution = fusion.check(steps_per_execution)
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(
@@ -660,19 +671,15 @@ class Accelerator:
             validating=val is not None,
             divides=validation_steps if val is not None else None,
         )
-        # The call's steps where its epochs are whole passes of known length (XLA on a CPU).
+        # The call's steps where its epochs are whole passes of known length: what a
+        # compiled way would save (`choice`).
         known = steps if steps_per_epoch is None and steps else None
-        calls = None if known is None else (int(epochs) - int(initial_epoch)) * int(known)
-        with self._runtime.call_compilation(
-            model,
-            "train",
-            train,
-            n,
-            preprocess,
-            calls,
-            verbose,
-            on_first=functools.partial(self.guard.warm_up_again, model),
-        ):
+        epochs_left = int(epochs) - int(initial_epoch)
+        call_steps = {
+            "train": None if known is None else epochs_left * int(known),
+            "test": _validation_steps(val, validation_steps, epochs_left, validation_freq),
+        }
+        with choice.in_call(model, call_steps, _printing(verbose), self.jit_compile):
             train_data = self._wrap(model, "train", train, n, preprocess, steps_per_epoch)
             contracts = {"train": self._contract(train)}
             if val is not None:
@@ -754,15 +761,8 @@ class Accelerator:
         patch = functools.partial(
             fusion.install, model=model, n=n, callbacks=callbacks, kind="test", steps=length
         )
-        with self._runtime.call_compilation(
-            model,
-            "test",
-            batches,
-            n,
-            preprocessor(model),
-            None if steps else length,
-            verbose,
-            on_first=functools.partial(self.guard.warm_up_again, model),
+        with choice.in_call(
+            model, {"test": None if steps else length}, _printing(verbose), self.jit_compile
         ):
             data = self._wrap(model, "test", batches, n, preprocessor(model), steps)
             with (
@@ -867,6 +867,19 @@ def _keras(model, name: str):
     if is_pipeline(model):
         return functools.partial(getattr(keras.Model, name), model)
     return getattr(model, name)
+
+
+def _validation_steps(val, validation_steps, epochs: int, validation_freq) -> int | None:
+    """The validation steps a `fit` of `epochs` epochs runs (None: unknown or none)."""
+    per_pass = None if val is None else validation_steps or val.plan.num_batches
+    if not per_pass or not isinstance(validation_freq, int) or validation_freq < 1:
+        return None
+    return (epochs // validation_freq) * int(per_pass)
+
+
+def _printing(verbose) -> bool:
+    """Whether a call's one-line notes print (Keras's "auto" prints)."""
+    return bool(1 if verbose == "auto" else verbose)
 
 
 def _chief_only(verbose):

@@ -111,14 +111,6 @@ class RecompileGuard:
         with self._lock:
             self._of(model).warm.add(kind)
 
-    def warm_up_again(self, model) -> None:
-        """`model`'s next trace of each kind is part of a warm-up again: the Accelerator
-        changed how its steps compile (`Runtime.call_compilation`), not the user."""
-        with self._lock:
-            seen = self._seen.get(model)
-            if seen is not None:
-                seen.warm.clear()
-
     def is_warm(self, model, kind: str) -> bool:
         with self._lock:
             seen = self._seen.get(model)

@@ -118,36 +118,20 @@ class Runtime:
         rows of (`keras_accel.data.grain.process_share`), or None (read it all)."""
         return None
 
-    def call_compilation(
-        self,
-        model,
-        kind: str,
-        batches,
-        steps_per_call: int,
-        preprocess,
-        call_steps,
-        verbose,
-        on_first,
-    ):
-        """A context around a `fit` (`kind` "train") or `evaluate` ("test") call, before its
-        batches are wrapped, where the backend compiles the call's steps other than the
-        model says (TensorFlow: XLA on a CPU, `tensorflow.xla.auto`); `call_steps`: the
-        call's steps, None where unknown; `on_first()` is called where a model's steps
-        change how they compile (its next traces are a warm-up). It puts the model back as
-        it leaves."""
-        return contextlib.nullcontext()
-
     def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
         """What `model.fit` (or `evaluate`) takes for the feeder's `batches` where this
         backend reads a whole call's steps at once, else None (`wrap`)."""
         return None
 
     @staticmethod
-    def groups_arrays(batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
+    def groups_arrays(
+        batches, model, kind: str, steps_per_call: int, preprocess, compiled_only: bool = True
+    ) -> bool:
         """Whether a call's steps can read `batches` a group at a time: in-memory numpy
         arrays of numbers (no text, nothing sparse) without preprocessing, N > 1 train or
-        test steps of a compiled model (whose step function is ours and reads a whole
-        group)."""
+        test steps, not run eagerly, of a model compiled with `jit_compile` where
+        `compiled_only` (JAX: the step function that reads a whole group is a compiled
+        one)."""
         import numpy as np
 
         from keras_accel.data.batching import flatten
@@ -158,7 +142,7 @@ class Runtime:
             and steps_per_call > 1
             and isinstance(batches, ArrayBatches)
             and preprocess is None
-            and bool(model.jit_compile)
+            and (bool(model.jit_compile) or not compiled_only)
             and not model.run_eagerly
         ):
             return False

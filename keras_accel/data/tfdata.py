@@ -196,17 +196,18 @@ def array_pipeline(
     strategy Keras peeks one batch from a fresh iterator before training and drops it, and
     the iterator's destructor, run with the GIL held, waits for prefetch threads that wait
     for the GIL.) The arrays become TensorFlow tensors once, as in plain Keras; batches are
-    gathered from them by index. Epoch k's row order is a stateless function of
-    (seed, k), read from a variable that `Accelerator.fit` sets at each epoch's start, so a
-    resumed run sees the same order.
+    gathered from them by index. Epoch k's row order is `batches.epoch_indices(k)`, the
+    order of every backend and of the batches one by one (a function of the seed and the
+    epoch, so a resumed run sees the same order), held in a variable that is set as each
+    epoch begins (`Accelerator.fit` sets `batches.epoch`).
     """
     plan = batches.plan
-    n, rows = plan.num_samples, plan.batch_size
-    leaves, seed, epoch, real_rows = _array_sources(batches)
+    rows = plan.batch_size
+    leaves, order, real_rows = _array_sources(batches)
     if preprocess is None:
         # Several batches per map call, cut apart by `unbatch` (the same batches).
         group = _group_size(leaves, plan.static_rows, len(batches))
-        load = _group_loader(batches, leaves, real_rows, seed, epoch, carry_mask)
+        load = _group_loader(batches, leaves, real_rows, order, carry_mask)
         dataset = (
             tf.data.Dataset.range(len(batches))
             .batch(group)
@@ -220,10 +221,8 @@ def array_pipeline(
 
         def load(index):
             positions = index * rows + tf.range(tf.gather(real_rows, index), dtype=tf.int64)
-            if batches.shuffle:
-                positions = tf.random.experimental.index_shuffle(
-                    positions, seed=tf.stack([seed, epoch.read_value()]), max_index=n - 1
-                )
+            if order is not None:
+                positions = tf.gather(order, positions)
             x, y, sample_weight = tf.nest.map_structure(
                 lambda t: None if t is None else tf.gather(t, positions), leaves
             )
@@ -235,82 +234,25 @@ def array_pipeline(
     return _with_array_options(dataset)
 
 
-def _array_sources(batches: ArrayBatches, epoch_variable: bool = True):
-    """The arrays as host tensors (once), the shuffle's seed, the epoch variable that
-    `Accelerator.fit` sets at each epoch's start (None without `epoch_variable`), and each
-    batch's real rows."""
+def _array_sources(batches: ArrayBatches):
+    """The arrays as host tensors (once); the row order of the current epoch as a variable
+    that follows `batches.epoch` (None where the rows are not shuffled: then they are in
+    order); each batch's real rows."""
     with tf.device("/cpu:0"):
         sample_weight = batches.sample_weight
         leaves = tf.nest.map_structure(
             lambda a: None if a is None else _host_tensor(a),
             (batches.x, batches.y, None if sample_weight is None else sample_weight),
         )
-        epoch = None
-        if epoch_variable:
-            epoch = tf.Variable(batches.epoch, dtype=tf.int64, trainable=False, name="epoch")
-    if epoch is not None:
-        batches.epoch_listeners.append(lambda value: epoch.assign(value))
-    seed = tf.constant(batches.seed % 2**63, tf.int64)
-    return leaves, seed, epoch, tf.constant(batches.plan.real_rows)
-
-
-# The keys of a group's element (`ArrayGroups`).
-GROUP_STEPS = "keras_accel_steps"
-GROUP_BATCHES = "keras_accel_batches"
-
-
-class ArrayGroups:
-    """`array_pipeline`'s batches (no preprocessing, with the row mask), `steps` at a time,
-    epoch after epoch from one iterator.
-
-    Each element is `{GROUP_STEPS: k, GROUP_BATCHES: b}`, `b` the group's padded batches
-    stacked on a new first axis of exactly `steps` (an epoch's last group holds k < `steps`;
-    its missing slots repeat its last batch and are never run): the same batches, rows,
-    order, padding and mask as `array_pipeline`, gathered in one op per array for the whole
-    group. A fused XLA program reads one element per call (`keras_accel.adapter.backends.
-    tensorflow.fused`) instead of `steps` reads of an iterator, each of which costs more
-    than a small step. The data set runs on past an epoch's end into the next epochs (epoch
-    e's groups in e's order, computed from the group's count, not read from a variable), so
-    one iterator serves a whole `fit`: making one costs about 13 ms here, and Keras makes
-    two per epoch."""
-
-    def __init__(self, batches: ArrayBatches, steps: int):
-        self.groups_per_epoch = -(-len(batches) // steps)
-        leaves, seed, _, real_rows = _array_sources(batches, epoch_variable=False)
-        load = _group_loader(batches, leaves, real_rows, seed, None, carry_mask=True)
-        with tf.device("/cpu:0"):
-            # The first group's number (epoch x groups per epoch) of the next iterator.
-            self._first = tf.Variable(0, dtype=tf.int64, trainable=False, name="first_group")
-        first, groups, num_batches = self._first, self.groups_per_epoch, len(batches)
-
-        def group(i):
-            number = first + i
-            epoch, begin = number // groups, (number % groups) * steps
-            indices = tf.range(begin, tf.minimum(begin + steps, num_batches))
-            count = tf.shape(indices)[0]
-            missing = tf.fill([steps - count], indices[-1])
-            stacked = load(tf.concat([indices, missing], axis=0), epoch)
-            stacked = tf.nest.map_structure(
-                lambda t: tf.ensure_shape(t, [steps] + t.shape[1:].as_list()), stacked
-            )
-            return {GROUP_STEPS: count, GROUP_BATCHES: stacked}
-
-        # As good as endless: an iterator is dropped with its call.
-        dataset = tf.data.Dataset.range(2**62).map(
-            tf.autograph.experimental.do_not_convert(group),
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=True,
+        order = None
+        if batches.shuffle:
+            first = batches.epoch_indices(batches.epoch).astype(np.int64)
+            order = tf.Variable(first, trainable=False, name="row_order")
+    if order is not None:
+        batches.epoch_listeners.append(
+            lambda value: order.assign(batches.epoch_indices(value).astype(np.int64))
         )
-        self.dataset = _with_array_options(dataset)
-
-    @property
-    def element_spec(self):
-        return self.dataset.element_spec
-
-    def iterator(self, epoch: int):
-        """Groups from the start of `epoch` on."""
-        self._first.assign(epoch * self.groups_per_epoch)
-        return iter(self.dataset)
+    return leaves, order, tf.constant(batches.plan.real_rows)
 
 
 def _with_array_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -352,28 +294,24 @@ def _group_size(leaves, static_rows: int, num_batches: int) -> int:
     return int(max(1, min(_GROUP_LIMIT, num_batches, _GROUP_BYTES // batch_bytes)))
 
 
-def _group_loader(batches: ArrayBatches, leaves, real_rows, seed, epoch, carry_mask: bool):
+def _group_loader(batches: ArrayBatches, leaves, real_rows, order, carry_mask: bool):
     """`load(indices)` -> the padded batches `indices` stacked on a new first axis: each
     the batch `_padded` makes from that batch's rows alone (the same rows, order, padding,
     weights and mask), gathered in one op per array for the whole group. The rows are in
-    the order of the epoch `epoch` holds, or of `load`'s `epoch_number` where given."""
+    the epoch's `order` (a variable; None: unshuffled)."""
     plan = batches.plan
-    n, rows, static = plan.num_samples, plan.batch_size, plan.static_rows
+    rows, static = plan.batch_size, plan.static_rows
     scales = tf.constant(plan.weight_scales, tf.float32)
 
-    def load(indices, epoch_number=None):
+    def load(indices):
         count = tf.shape(indices)[0]
         offsets = tf.range(static, dtype=tf.int64)
         # Row r of batch i is real where r < its real rows (never past `rows` <= `static`).
         real = offsets[tf.newaxis, :] < tf.gather(real_rows, indices)[:, tf.newaxis]
         positions = tf.where(real, indices[:, tf.newaxis] * rows + offsets[tf.newaxis, :], 0)
         positions = tf.reshape(positions, [-1])
-        if batches.shuffle:
-            if epoch_number is None:
-                epoch_number = epoch.read_value()
-            positions = tf.random.experimental.index_shuffle(
-                positions, seed=tf.stack([seed, epoch_number]), max_index=n - 1
-            )
+        if order is not None:
+            positions = tf.gather(order, positions)
 
         def grouped(t):
             return tf.reshape(t, tf.concat([[count, static], tf.shape(t)[1:]], axis=0))

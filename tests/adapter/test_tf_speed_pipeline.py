@@ -74,3 +74,37 @@ def test_groups_stay_small_for_large_batches():
     small = (tf.zeros([10, 32]), tf.zeros([10, 10]), None)
     assert tfdata._group_size(small, 64, 1024) == tfdata._GROUP_LIMIT
     assert tfdata._group_size(small, 64, 5) == 5
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_pipeline_and_the_host_groups_hold_every_backends_batches(shuffle):
+    """One row order on every backend and every route: the tf.data pipeline's batches and
+    the host groups one program reads (`SlotGroups`) are `ArrayBatches.batch()`'s, epoch
+    after epoch (the order a function of the seed and the epoch)."""
+    from keras_accel.data.batching import element
+    from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS, SlotGroups
+
+    rng = np.random.default_rng(2)
+    n = 45  # 6 batches of 8, the last of 5 real rows.
+    x, y = rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+    batches = ArrayBatches(x, y, batch_size=8, num_replicas=1, shuffle=shuffle, seed=4)
+    pipeline = tfdata.array_pipeline(batches)
+    groups = SlotGroups(batches, 4)
+    for epoch in (0, 1):
+        batches.epoch = epoch
+        want = [element(batches.batch(i), True, None) for i in range(len(batches))]
+        for got, expected in zip(_elements(pipeline), want):
+            for u, v in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
+                np.testing.assert_array_equal(u, v)
+        for first in (0, 4):
+            group = next(groups)
+            count = min(4, len(batches) - first)
+            assert group[GROUP_STEPS] == count
+            for slot in range(4):  # The missing slots repeat the last batch (never run).
+                expected = want[first + min(slot, count - 1)]
+                got = [leaf[slot] for leaf in tf.nest.flatten(group[GROUP_BATCHES])]
+                for u, v in zip(got, tf.nest.flatten(expected)):
+                    np.testing.assert_array_equal(u, v)
+        batches.on_epoch_end()
+    if shuffle:  # Another epoch, another order.
+        assert not np.array_equal(batches.epoch_indices(0), batches.epoch_indices(1))

@@ -1,5 +1,5 @@
 """On one TensorFlow device a model compiled with `jit_compile=True` runs each fused group of
-steps as one XLA program (`keras_accel.adapter.backends.tensorflow.fused._XlaGroup`) instead
+steps as one XLA program (`keras_accel.adapter.backends.tensorflow.fused.GroupRunner`) instead
 of one XLA launch per step, its batches read as one element of a grouped pipeline
 (`keras_accel.data.tfdata.ArrayGroups`) where they are arrays: every number must be the one
 the per-step launches give."""
@@ -22,7 +22,7 @@ def _run(monkeypatch, mode: str, dropout: bool, rows: int, spe, **fit_kwargs):
     from keras_accel.adapter.backends.tensorflow.runtime import Runtime
 
     calls = []
-    takes, run_group = fused._XlaGroup.takes, fused._XlaGroup.run_group
+    takes, run_group = fused.GroupRunner.takes, fused.GroupRunner.run_group
 
     def spy_takes(self, spec, n):
         taken = mode == "reads" and takes(self, spec, n)
@@ -33,8 +33,8 @@ def _run(monkeypatch, mode: str, dropout: bool, rows: int, spe, **fit_kwargs):
         calls.append(("pipeline", True))
         return run_group(self, iterator)
 
-    monkeypatch.setattr(fused._XlaGroup, "takes", spy_takes)
-    monkeypatch.setattr(fused._XlaGroup, "run_group", spy_run_group)
+    monkeypatch.setattr(fused.GroupRunner, "takes", spy_takes)
+    monkeypatch.setattr(fused.GroupRunner, "run_group", spy_run_group)
     if mode != "pipeline":
         monkeypatch.setattr(Runtime, "grouped", lambda *args, **kwargs: None)
     rng = np.random.default_rng(0)
@@ -97,7 +97,7 @@ def test_large_groups_and_replicas_keep_per_step_launches():
 
     from keras_accel.adapter.backends.tensorflow import fused
 
-    one = fused._XlaGroup(None, None, tf.distribute.get_strategy(), None)
+    one = fused.GroupRunner(None, "train", None, tf.distribute.get_strategy(), None)
     spec = (tf.TensorSpec([64, 32]), tf.TensorSpec([64, 10]))
     assert one.takes(spec, 32)
     assert not one.takes((tf.TensorSpec([4096, 32, 32, 3]),), 32)  # 1.5 GiB a group.

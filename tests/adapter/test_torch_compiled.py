@@ -5,7 +5,6 @@ Each case trains on uneven data (a padded last batch) and compares against plain
 `model.fit`/`evaluate` on one device, eagerly, `shuffle=False` both. A compilation costs
 seconds here: few models, each compiled once."""
 
-import os
 import warnings
 
 import keras
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import assert_weights_close
+from tests.helpers import assert_weights_close, timed_ways
 
 pytestmark = [
     pytest.mark.torch,
@@ -117,21 +116,59 @@ def _fit_both(acc, ours, plain, x, y, w, epochs=2):
     return history.history, expected.history, logs, plain_logs
 
 
-def test_auto_compiles_after_its_eager_steps_with_plain_keras_s_numbers(compiled, monkeypatch):
-    monkeypatch.setattr(compiled, "AUTO_AFTER_STEPS", 3)
+def _count_ways(monkeypatch, compiled):
+    """How many steps of each kind ran each way from here on."""
+    counts = {}
+    run, eager = compiled.CompiledStep._compiled, compiled.CompiledStep._eager
+
+    def spy(way, function):
+        def counted(self, model, data):
+            key = (self.kind, way)
+            counts[key] = counts.get(key, 0) + 1
+            return function(self, model, data)
+
+        return counted
+
+    monkeypatch.setattr(compiled.CompiledStep, "_compiled", spy("compiled", run))
+    monkeypatch.setattr(compiled.CompiledStep, "_eager", spy("eager", eager))
+    return counts
+
+
+def test_auto_compiles_where_measured_faster_with_plain_keras_s_numbers(compiled, monkeypatch):
+    from keras_accel.adapter import choice
+
+    timed_ways(monkeypatch, plain=2e-3, compiled=2e-4)
+    monkeypatch.setitem(choice.TRIAL_UNITS, "torch", 2)  # A short trial on a short fit.
     acc = Accelerator(seed=0)
     ours, plain = _pair(acc)
     x, y, w = _data()
+    counts = _count_ways(monkeypatch, compiled)
     ours_h, plain_h, logs, plain_logs = _fit_both(acc, ours, plain, x, y, w, epochs=3)
-    # Both kinds compiled: after 3 eager training steps (of 15), and 3 of evaluation's 10
-    # (the fit's validation-free evaluate, then ours).
+    # Both kinds compiled: training after its trial (a step that builds, one untimed and
+    # one timed eager step, the compilation, then 2 of each way), and the evaluation's.
     assert set(compiled._PROGRAMS[ours]) == {"train", "test"}
+    assert counts[("train", "compiled")] == 15 - 1 - 2 - 2
     for name in plain_h:
         np.testing.assert_allclose(ours_h[name], plain_h[name], rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(logs, plain_logs, rtol=1e-5)
     assert_weights_close(ours.get_weights(), plain.get_weights())
     unused = [v for v in ours.trainable_variables if "unused" in v.path]
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(unused[0].value), np.ones(3))
+
+
+def test_a_compiled_step_measured_slower_is_left_for_the_eager_one(compiled, monkeypatch):
+    from keras_accel.adapter import choice
+
+    timed_ways(monkeypatch, plain=2e-4, compiled=2e-3)
+    monkeypatch.setitem(choice.TRIAL_UNITS, "torch", 2)
+    acc = Accelerator(seed=0)
+    ours, _ = _pair(acc)
+    x, y, w = _data()
+    counts = _count_ways(monkeypatch, compiled)
+    acc.fit(ours, x, y, sample_weight=w, batch_size=BATCH, epochs=4, verbose=0)
+    # The trial's compilation and one timed compiled step (10 times as slow: given up at
+    # once), every other step eager.
+    assert counts[("train", "compiled")] == 2 and counts[("train", "eager")] == 20 - 2
 
 
 def test_jit_compile_compiles_a_masked_sequence_tagger_from_its_second_step(compiled):
@@ -168,9 +205,9 @@ def test_a_step_torch_cannot_compile_runs_eagerly_with_one_note(compiled):
     assert_weights_close(ours.get_weights(), plain.get_weights())
 
 
-def test_keras_accel_torch_compile_0_never_compiles(compiled, monkeypatch):
-    monkeypatch.setattr(compiled, "AUTO_AFTER_STEPS", 0)
-    monkeypatch.setitem(os.environ, "KERAS_ACCEL_TORCH_COMPILE", "0")
+def test_keras_accel_jit_compile_0_never_compiles(compiled, monkeypatch):
+    monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_AFTER", "0")
+    monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE", "0")
     acc = Accelerator(seed=0)
     ours, _ = _pair(acc, jit_compile=True)
     x, y, w = _data()

@@ -193,6 +193,17 @@ def agree_all(flag: bool) -> bool:
     return bool(value.item())
 
 
+def agree_max(values: list[float]) -> list[float]:
+    """Every process's elementwise maximum of `values` (the same list length everywhere)."""
+    import torch
+
+    if _world() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    _dist().all_reduce(tensor, op=_dist().ReduceOp.MAX)
+    return [float(v) for v in tensor.cpu()]
+
+
 def _collective_device():
     import torch
 
@@ -281,7 +292,8 @@ class Runtime(runtime.Runtime):
                 patches, model, first_batch, overrides_a_step=overrides_any_step(model)
             )
         if self.num_replicas == 1:
-            # One process: Keras's steps compiled, one program each (torch_compiled).
+            # One process: Keras's steps compiled, one program each, where measured
+            # faster (torch_compiled).
             torch_compiled.install(patches, model)
             return
         if training:
@@ -305,7 +317,8 @@ class Runtime(runtime.Runtime):
         # process, which compile alike (the same model, the same shapes). What torch cannot
         # compile (a per-row random layer's draw, BatchNormalization's summed moments, a
         # gathered metric's update) fails in every process alike, and runs eagerly as above.
-        torch_compiled.install(patches, model)
+        # Whether to compile is measured on values every process agrees on (`agree_max`).
+        torch_compiled.install(patches, model, agree=agree_max)
 
     def install_outer(self, patches: Patches, model) -> None:
         if self.num_replicas == 1:

@@ -25,12 +25,17 @@ What it takes over (the rest stays Keras's eager step, unchanged):
   builds lazily (the optimizer's slots, the compiled metrics) and says which weights get
   no gradient (they get none here either).
 
-When it compiles: with `model.compile(jit_compile=True)`, from the second step; otherwise
-("auto", Keras's torch default) once a model has run `AUTO_AFTER_STEPS` steps of a kind
-eagerly (over its calls), where a compilation (seconds on a CPU) pays for itself; never with
-`run_eagerly=True` or `KERAS_ACCEL_TORCH_COMPILE=0`. A step torch cannot compile (a layer
-whose Python it cannot trace, such as Keras's torch random ops, which seed a
-`torch.Generator` from a tensor) runs eagerly from then on, with one note that says why.
+When it compiles: with `model.compile(jit_compile=True)` (or `Accelerator(jit_compile=True)`,
+`KERAS_ACCEL_JIT_COMPILE=1`), from each call's second step; otherwise ("auto", Keras's torch
+default) where it was measured faster on the model's own steps (`keras_accel.adapter.
+choice`): once the model's eager steps of a kind have taken about a compilation's time
+(seconds on a CPU), a trial times compiled steps beside eager ones and keeps the faster,
+remembered for the model's architecture, input signature and machine. Never with
+`run_eagerly=True`, `Accelerator(jit_compile=False)` or `KERAS_ACCEL_JIT_COMPILE=0`. Over
+several processes the measurements are agreed (every process's slowest), so that every
+process runs the same program at the same step. A step torch cannot compile (a layer whose
+Python it cannot trace, such as Keras's torch random ops, which seed a `torch.Generator`
+from a tensor) runs eagerly from then on, with one note that says why.
 """
 
 from __future__ import annotations
@@ -43,47 +48,43 @@ import weakref
 
 import keras
 
+from keras_accel.adapter import choice as choices
 from keras_accel.adapter import steps as step_values
 from keras_accel.utils import keras_internals
 
-# Eager steps of a kind in one call before "auto" compiles: a compilation costs seconds on a
-# CPU, an eager step of a small model ~2 ms more than a compiled one.
-AUTO_AFTER_STEPS = int(os.environ.get("KERAS_ACCEL_TORCH_COMPILE_AFTER", "2000"))
 KINDS = ("train", "test")
+NAMES = {"plain": "eagerly, as Keras's torch trainer does", "compiled": "as one compiled program"}
 
 
-def enabled() -> bool:
-    return os.environ.get("KERAS_ACCEL_TORCH_COMPILE", "1") != "0"
-
-
-def install(patches, model) -> None:
+def install(patches, model, agree=None) -> None:
     """Give `model` compiled train and test steps for the duration of `patches` (the steps
-    Keras's trainer defines only; see the module docstring)."""
-    if not enabled() or getattr(model, "run_eagerly", False):
+    Keras's trainer defines only; see the module docstring), where its `Choice` takes them.
+    `agree`: over several processes, what makes every process's measurements the same
+    (`keras_accel.adapter.backends.torch.agree_max`)."""
+    if getattr(model, "run_eagerly", False):
         return
     for kind in KINDS:
         if step_values.overrides(model, kind):
             continue
         eager = getattr(model, f"{kind}_step")
-        patches.set(model, f"{kind}_step", CompiledStep(model, kind, eager))
+        patches.set(model, f"{kind}_step", CompiledStep(model, kind, eager, agree))
 
 
 # Each model's compiled steps, by kind, kept across calls: torch's compiler reuses a
 # program while what it read (the model, its optimizer, our installs) passes its guards.
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Each model's eager steps, by kind, over its calls ("auto" compiles after AUTO_AFTER_STEPS).
-_EAGER_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Steps that failed to compile, by model and kind: noted once, eager from then on.
-_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Each model's `Choice`s, by kind and input signature, kept across its calls.
+_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class CompiledStep:
     """`model.<kind>_step(data)`: Keras's step, compiled (see the module docstring)."""
 
-    def __init__(self, model, kind: str, eager):
+    def __init__(self, model, kind: str, eager, agree=None):
         self.model_ref = weakref.ref(model)
         self.kind = kind
         self.eager = eager
+        self.agree = agree
         self.eager_steps = 0
         self.program = None
         self.no_gradient: tuple[bool, ...] | None = None
@@ -93,19 +94,63 @@ class CompiledStep:
         # for a backward pass that never comes. The program writes its new values there.
         self.tensors: list | None = None
 
-    def _wanted(self, model) -> bool:
-        if _FAILED.get(model, {}).get(self.kind):
-            return False
-        if self.eager_steps == 0:
-            return False  # This call's first step builds what Keras builds lazily.
-        if getattr(model, "jit_compile", False) is True:
-            return True
-        return _EAGER_STEPS.get(model, {}).get(self.kind, 0) >= AUTO_AFTER_STEPS
-
     def __call__(self, data):
         model = self.model_ref()
-        if model is None or not self._wanted(model):
-            return self._eager(model, data)
+        if model is None or self.eager_steps == 0:
+            return self._eager(model, data)  # This call's first step builds what Keras builds.
+        choice = self._choice(model, data)
+        path, _ = choice.unit(1)
+        timed = choice.timed()
+        started = choices.clock() if timed else 0.0
+        if path == choices.PLAIN:
+            result = self._eager(model, data)
+        else:
+            try:
+                result = self._compiled(model, data)
+            except Exception as error:  # torch's compiler's errors have no common base.
+                if os.environ.get("KA_DEBUG") or not _is_compile_error(error):
+                    raise
+                choice.failed(error)
+                _note_failure(model, self.kind, error)
+                return self._eager(model, data)
+        if timed:
+            _wait(result)
+            choice.record(path, choices.clock() - started, 1)
+        return result
+
+    def _choice(self, model, data):
+        signature = tuple(
+            (tuple(leaf.shape), str(leaf.dtype))
+            for leaf in keras.tree.flatten(data)
+            if hasattr(leaf, "shape")
+        )
+        kept = _CHOICES.setdefault(model, {})
+        choice = kept.get((self.kind, signature))
+        if choice is None:
+            from keras_accel.adapter import choice_cache
+            from keras_accel.utils import process
+            from keras_accel.utils.printing import print_msg
+
+            details = {
+                "device": str(model.trainable_variables[0].value.device)
+                if model.trainable_variables
+                else "cpu",
+                "threads": _threads(),
+                "processes": process.num_processes(),
+            }
+            described = [[list(shape), dtype] for shape, dtype in signature]
+            choice = kept[(self.kind, signature)] = choices.Choice(
+                "torch",
+                NAMES,
+                model,
+                self.kind,
+                fingerprint=choice_cache.fingerprint(model, self.kind, described, details),
+                agree=self.agree,
+                announce=print_msg,
+            )
+        return choice
+
+    def _compiled(self, model, data):
         if self.tensors is None:
             self.tensors = [[v.value.detach() for v in g] for g in _variable_groups(model)]
         if self.program is None:
@@ -113,27 +158,17 @@ class CompiledStep:
             if self.kind not in programs:
                 programs[self.kind] = _program(model, self.kind)
             self.program = programs[self.kind]
-        groups = self.tensors
         mask, count, ranked = (
             step_values.ROW_MASK.get(),
             step_values.ROW_COUNT.get(),
             step_values.LOSS_RANKED.get(),
         )
         count = None if count is None else count()
-        try:
-            with warnings.catch_warnings():
-                # torch's compiler's notes on Keras's code (an `lru_cache` it traces through)
-                # are not the user's to act on.
-                warnings.filterwarnings("ignore", message=".*Dynamo detected.*")
-                return self.program(groups, data, mask, count, ranked, self.no_gradient)
-        except Exception as error:  # torch's compiler's errors have no common base.
-            if os.environ.get("KA_DEBUG"):
-                raise
-            if not _is_compile_error(error):
-                raise
-            _FAILED.setdefault(model, {})[self.kind] = True
-            _note_failure(model, self.kind, error)
-            return self._eager(model, data)
+        with warnings.catch_warnings():
+            # torch's compiler's notes on Keras's code (an `lru_cache` it traces through)
+            # are not the user's to act on.
+            warnings.filterwarnings("ignore", message=".*Dynamo detected.*")
+            return self.program(self.tensors, data, mask, count, ranked, self.no_gradient)
 
     def _eager(self, model, data):
         # Which weights Keras's eager step gives no gradient (None, where the loss does not
@@ -145,12 +180,23 @@ class CompiledStep:
         with _gradients_applied(model.optimizer if record else None) as applied:
             result = self.eager(data)
         self.eager_steps += 1
-        if model is not None:
-            counts = _EAGER_STEPS.setdefault(model, {})
-            counts[self.kind] = counts.get(self.kind, 0) + 1
         if record:
             self.no_gradient = _no_gradient(model.trainable_variables, applied)
         return result
+
+
+def _wait(result) -> None:
+    """Until a step's results exist (a GPU runs it after the call returns)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _no_gradient(variables, applied) -> tuple[bool, ...]:
@@ -215,7 +261,7 @@ def _note_failure(model, kind: str, error: Exception) -> None:
     warnings.warn(
         f"keras_accel: the {kind} step of model '{model.name}' could not be compiled by "
         f"torch.compile ({type(error).__name__}: {first}); it runs eagerly, as Keras's "
-        "torch trainer runs it, with the same numbers. Set KERAS_ACCEL_TORCH_COMPILE=0 to "
+        "torch trainer runs it, with the same numbers. Set KERAS_ACCEL_JIT_COMPILE=0 to "
         "skip compiling.",
         stacklevel=3,
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
 from keras_accel.adapter import guard
 from keras_accel.adapter.backends.tensorflow.reduction import reduce_logs
-from keras_accel.data import tfdata
+from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS
 
 
 def fused_function(model, kind: str):
@@ -50,9 +52,9 @@ def fused_function(model, kind: str):
     jit = bool(model.jit_compile)
     if jit:  # As Keras compiles one step: with XLA where the model asks.
         one = tf.function(one, jit_compile=True, reduce_retracing=True)
-    # One replica with XLA: the whole group is one XLA program (`_XlaGroup`), not one
-    # launch per step.
-    grouped = _XlaGroup(model, step, strategy, reduce) if jit else None
+    # One replica: a group of steps is one program, XLA's or the graph's, whichever was
+    # measured faster for this model (`GroupRunner`), not one launch per step.
+    grouped = GroupRunner(model, kind, step, strategy, reduce)
 
     @tf.function
     def steps(iterator, n):
@@ -81,15 +83,10 @@ def fused_function(model, kind: str):
     def function(iterator):
         n = int(model.steps_per_execution)
         if is_group(iterator.element_spec):  # Read as groups (`Runtime.grouped`).
-            if grouped is None:
-                raise RuntimeError(
-                    "keras_accel: groups of batches reached a step function without XLA "
-                    f"(the model's jit_compile is {model.jit_compile!r}); please report this."
-                )
             return grouped.run_group(iterator)
         if n == 1:  # A multi-worker step (`Runtime.make_function`): no loop, no look-ahead.
             return single(iterator)
-        if grouped is not None and grouped.takes(iterator.element_spec, n):
+        if jit and grouped.takes(iterator.element_spec, n):
             return grouped(iterator, tf.constant(n, tf.int32))
         return steps(iterator, tf.constant(n, tf.int32))
 
@@ -127,29 +124,49 @@ def fits_group_bytes(size: int) -> bool:
 
 
 def is_group(spec) -> bool:
-    """Whether an iterator's elements are groups of batches (`tfdata.ArrayGroups`)."""
-    return isinstance(spec, dict) and tfdata.GROUP_STEPS in spec
+    """Whether an iterator's elements are groups of batches (`groups.SlotGroups`)."""
+    return isinstance(spec, dict) and GROUP_STEPS in spec
 
 
-class _XlaGroup:
-    """Up to N steps as one XLA program, for a model compiled with `jit_compile=True` on
-    one replica.
+class GroupRunner:
+    """Up to N steps as one program, on one replica: an XLA program or a graph one.
 
-    Keras (and `one` above) launches one XLA program per step; inside our while-loop that
-    launch costs more than a small step (measured on one CPU: 0.39 ms a step against 0.13 ms
-    without XLA, a 2-layer MLP at 64 rows). XLA takes no iterator, so the group's batches
-    are read first (outside XLA, as the loop reads them: up to N, fewer where the data end),
-    stacked on a new axis and handed to one XLA program that runs the same step on each in
-    turn in an XLA while-loop; the logs are the last step's. The program's input has N
-    batches whatever the group holds (the last group's missing ones are copies of its last
-    batch, never run): one XLA compilation per N. Where the batches have strings, shapes
-    unknown to the program or more than `_GROUP_BYTES` in a group, the steps run one launch
-    each, as before."""
+    Keras (and `one` above) launches one program per step; inside our while-loop that launch
+    costs more than a small step (measured on one CPU: 0.39 ms a step with XLA against 0.13
+    ms without, a 2-layer MLP at 64 rows). Here the group's batches come stacked on a new
+    axis, and one program runs the same step on each in turn in a while-loop; the logs are
+    the last step's. The program's input has N batches whatever the group holds (a short
+    last group's missing ones are copies of its last batch, never run), and it runs the
+    steps `begin` to `end` of them: one program per N, whatever part of a group it runs.
 
-    def __init__(self, model, step, strategy, reduce):
-        self.model, self.step, self.strategy, self.reduce = model, step, strategy, reduce
-        self.program = tf.function(self._run, jit_compile=True, reduce_retracing=True)
+    Two programs run the same steps with the same numbers up to float rounding: with XLA
+    and as TensorFlow's graph. Which one a host group runs is the model's `Choice`
+    (`keras_accel.adapter.choice`): forced by the model's `jit_compile=True`, the
+    Accelerator's or the environment's setting, or measured on the model's own steps
+    (Keras's "auto" leaves XLA off on CPUs, where XLA ran a small text classifier 5 times
+    as fast as the graph, and the seed CNN's convolutions 74 times as slowly).
+
+    Groups come either from the host (`run_group`: in-memory arrays, a group gathered per
+    call, `Runtime.grouped`), or, for a model compiled with `jit_compile=True` reading a
+    data set, from the iterator (`__call__`: read first, outside XLA, as the loop reads
+    them: up to N, fewer where the data end). Where the batches have strings, shapes unknown
+    to the program or more than `_GROUP_BYTES` in a group, the steps run one launch each,
+    as before."""
+
+    NAMES = {"plain": "as TensorFlow's graph", "compiled": "with XLA"}
+
+    def __init__(self, model, kind, step, strategy, reduce):
+        from keras_accel.adapter import choice
+
+        self.model_ref = weakref.ref(model) if model is not None else lambda: None
+        self.kind, self.step, self.strategy, self.reduce = kind, step, strategy, reduce
+        self.programs = {
+            choice.COMPILED: tf.function(self._run, jit_compile=True, reduce_retracing=True),
+            choice.PLAIN: tf.function(self._run, reduce_retracing=True),
+        }
         self._concrete = {}
+        self._choices = {}
+        self._bounds = {}
         self.function = tf.function(self._group)
 
     def takes(self, spec, n: int) -> bool:
@@ -159,15 +176,71 @@ class _XlaGroup:
         return self.function(iterator, n)
 
     def run_group(self, iterator):
-        """One element of a grouped pipeline (`tfdata.ArrayGroups`): the group's
-        batches stacked already, read once, then run as one XLA program."""
+        """One group from the host (`GroupedBatches`): its batches stacked, as numpy, run
+        as one program (or, in a trial, as a few: `Choice.unit`)."""
+        from keras_accel.adapter import choice as choices
+
         element = next(iterator)
-        batches, count = element[tfdata.GROUP_BATCHES], element[tfdata.GROUP_STEPS]
-        spec = tuple(tf.nest.flatten(iterator.element_spec))
-        concrete = self._concrete.get(spec)
+        count = int(element[GROUP_STEPS])
+        batches = tf.nest.map_structure(tf.convert_to_tensor, element[GROUP_BATCHES])
+        spec = tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches))
+        choice = self._choices.get(spec)
+        if choice is None:
+            choice = self._choices[spec] = self._choice(spec)
+        begin, outputs = 0, None
+        while begin < count:
+            path, steps = choice.unit(count - begin)
+            program = self._program(path, spec, batches)
+            end = begin + steps
+            if not choice.timed():
+                outputs = program(batches, self._bound(begin), self._bound(end))
+            else:
+                started = choices.clock()
+                try:
+                    outputs = program(batches, self._bound(begin), self._bound(end))
+                    _wait(outputs)
+                except tf.errors.OpError as error:
+                    if path != choices.COMPILED or not _xla_refused(error):
+                        raise
+                    choice.failed(error)  # XLA refused the step: nothing ran.
+                    continue
+                choice.record(path, choices.clock() - started, steps)
+            begin = end
+        return outputs
+
+    def _bound(self, value: int):
+        bound = self._bounds.get(value)
+        if bound is None:
+            bound = self._bounds[value] = tf.constant(value, tf.int32)
+        return bound
+
+    def _program(self, path, spec, batches):
+        concrete = self._concrete.get((path, spec))
         if concrete is None:
-            concrete = self._concrete[spec] = self.program.get_concrete_function(batches, count)
-        return concrete(batches, count)
+            concrete = self.programs[path].get_concrete_function(
+                batches, self._bound(0), self._bound(1)
+            )
+            self._concrete[(path, spec)] = concrete
+        return concrete
+
+    def _choice(self, spec):
+        from keras_accel.adapter import choice, choice_cache
+        from keras_accel.utils.printing import print_msg
+
+        model = self.model_ref()
+        signature = [[list(shape), dtype] for shape, dtype in spec]
+        details = {"device": _device(model), "program": "group"}
+        runner = choice.Choice(
+            "tensorflow",
+            self.NAMES,
+            model,
+            self.kind,
+            fingerprint=choice_cache.fingerprint(model, self.kind, signature, details),
+            announce=print_msg,
+        )
+        if not supports_xla(model):
+            runner.failed(ValueError("Keras says the model does not support XLA"))
+        return runner
 
     def _group(self, iterator, n):
         first = next(iterator)  # Out of range here ends the epoch, as Keras expects.
@@ -194,18 +267,61 @@ class _XlaGroup:
 
         _, arrays = tf.while_loop(lambda i, arrays: i < n, fill, (count, arrays))
         stacked = tf.nest.pack_sequence_as(first, [a.stack() for a in arrays])
-        return self.program(stacked, count)
+        return self.programs["compiled"](stacked, tf.constant(0), count)
 
-    def _run(self, stacked, count):
+    def _run(self, stacked, begin, end):
+        model = self.model_ref()
+
         def one(i):
             data = tf.nest.map_structure(lambda t: t[i], stacked)
             outputs = self.strategy.run(self.step, args=(data,))
             return self.reduce(outputs, self.strategy, reduction="auto")
 
-        outputs = one(0)
+        outputs = one(begin)
 
         def body(i, outputs):
-            with guard.same_program(self.model):  # The same step, in the same program.
+            with guard.same_program(model):  # The same step, in the same program.
                 return i + 1, one(i)
 
-        return tf.while_loop(lambda i, outputs: i < count, body, (tf.constant(1), outputs))[1]
+        return tf.while_loop(lambda i, outputs: i < end, body, (begin + 1, outputs))[1]
+
+
+def supports_xla(model) -> bool:
+    """Whether Keras lets `model` run with XLA (its public `jit_compile` setter checks: every
+    layer's `supports_jit`, TensorFlow's op determinism, the platform), asked without
+    changing the model."""
+    import warnings
+
+    if model is None:
+        return False
+    before = model.jit_compile
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras's "Model doesn't support jit_compile".
+            model.jit_compile = True
+        return model.jit_compile is True
+    finally:
+        model.jit_compile = before
+
+
+def _wait(outputs) -> None:
+    """Until the program's results exist (a GPU runs it after the call returns)."""
+    for leaf in tf.nest.flatten(outputs):
+        if isinstance(leaf, tf.Tensor):
+            leaf.numpy()
+            return
+
+
+def _xla_refused(error) -> bool:
+    """Whether `error` is XLA's refusal to compile the step (an op it cannot compile), not
+    an error of the step itself."""
+    text = str(error)
+    return isinstance(error, (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)) and (
+        "XLA" in text or "tf2xla" in text or "jit" in text
+    )
+
+
+def _device(model) -> str:
+    """Where the model's steps run: its first variable's device."""
+    variables = getattr(model, "variables", None) or ()
+    return variables[0].value.device if variables else "default"

@@ -23,7 +23,8 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import flatten
+from keras_accel.data.batching import element, flatten
+from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS, SlotGroups
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals, library_internals
@@ -160,26 +161,26 @@ class Runtime(runtime.Runtime):
 
     def grouped(self, batches, model, kind: str, steps_per_call: int, preprocess=None):
         """In-memory `batches` as one element per fused call (`GroupedBatches`), where the
-        call is one XLA program (`fused._XlaGroup`: one device, `jit_compile=True`, train
-        or test steps, N > 1, numbers of known shape within its byte limit), else None:
-        `wrap` then gives the batches one by one.
+        call is one program (`fused.GroupRunner`: one device, train or test steps, N > 1,
+        numbers within its byte limit), else None: `wrap` then gives the batches one by
+        one.
 
-        Read one by one, the batches cost the XLA program more than its steps: each read of
-        the iterator is an op of its own outside XLA (measured on 2 CPU cores, a 2-layer MLP
-        at batch 64: 32 reads 1.3 ms against 0.7 ms for the 32 steps)."""
-        from keras_accel.data import tfdata
-
+        A group is gathered on the host from the arrays when its call comes, in one `take`
+        per array, and handed to the program whole: read one by one through an iterator,
+        each batch is an op of its own outside the program, which cost more than the steps
+        of a small model (measured on 2 CPU cores, a 2-layer MLP at batch 64: 32 reads 1.3
+        ms against 0.7 ms for the 32 steps with XLA), and a tf.data pipeline of groups
+        took 60 ms to build at each call."""
         if not self._groups(batches, model, kind, steps_per_call, preprocess):
             return None
-        return GroupedBatches(tfdata.ArrayGroups(batches, steps_per_call), batches)
+        return GroupedBatches(batches, steps_per_call)
 
     def _groups(self, batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
         if self.native is not None or not self.groups_arrays(
-            batches, model, kind, steps_per_call, preprocess
+            batches, model, kind, steps_per_call, preprocess, compiled_only=False
         ):
             return False
-        # Known before the pipeline is built (its arrays copied, its function traced): a
-        # group's bytes, the weights and the row mask as float32.
+        # A group's bytes: its batches, the weights and the row mask as float32.
         static = batches.plan.static_rows
         weights = batches.sample_weight
         row = sum(a.itemsize * a[:1].size for a in flatten((batches.x, batches.y)) if a is not None)
@@ -188,29 +189,6 @@ class Runtime(runtime.Runtime):
 
     def _on_cpus(self) -> bool:
         return all(name.lower().startswith("cpu") for name in self.plan.devices)
-
-    def call_compilation(
-        self,
-        model,
-        kind: str,
-        batches,
-        steps_per_call: int,
-        preprocess,
-        call_steps,
-        verbose,
-        on_first,
-    ):
-        """XLA for this call where Keras left it off and it was measured faster
-        (`xla.auto`: one CPU device, a long call read a group at a time)."""
-        return xla.auto(
-            model,
-            self.num_replicas == 1 and self._on_cpus(),
-            call_steps,
-            lambda: self._groups(batches, model, kind, steps_per_call, preprocess),
-            verbose,
-            training=kind == "train",
-            on_first=on_first,
-        )
 
     def _keras_route(self, source, carry_mask: bool):
         """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
@@ -366,26 +344,26 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
 
 
 class GroupedBatches(PaddedBatchesAdapter):
-    """Groups of padded batches (`keras_accel.data.tfdata.ArrayGroups`) as Keras's TF
+    """Groups of padded batches (`keras_accel.data.groups.SlotGroups`) as Keras's TF
     trainer reads them: its epochs count `num_batches` steps, N per call, and our fused
-    function reads one group per call (`fused._XlaGroup.run_group`)."""
+    function reads one group per call (`fused.GroupRunner.run_group`)."""
 
     feeds = "TensorFlow's trainer"
 
-    def __init__(self, groups, batches):
+    def __init__(self, batches, steps: int):
         self.batches = batches
-        self._reader = _GroupReader(groups, batches)
+        self._groups = _Groups(SlotGroups(batches, steps), batches, steps)
 
     def get_tf_dataset(self):
-        return _Groups(self._reader)
+        return self._groups
 
     @property
     def num_batches(self):
         return self.batches.plan.num_batches
 
     def keras_accel_first_batch(self):
-        # What `Accelerator` builds the model from (`_first_batch`): the pipeline's first
-        # batch, as numpy (the same dtypes: numbers only here), without an iterator's cost.
+        # What `Accelerator` builds the model from (`_first_batch`): the first batch, as
+        # numpy (the same dtypes: numbers only here).
         return self.batches.batch(0)
 
 
@@ -393,45 +371,31 @@ class _Groups(tf.distribute.DistributedDataset):
     """What Keras's TF epoch iterator iterates, each epoch (and again at each epoch's end):
     the one reader of the call's groups (Keras takes a `DistributedDataset` as it is)."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, batches, steps: int):
         self.reader = reader
-
-    def __iter__(self):
-        return self.reader
-
-    @property
-    def element_spec(self):
-        return self.reader.element_spec
-
-
-class _GroupReader:
-    """The groups of `batches`' current epoch, from one iterator for as long as the epochs
-    follow each other (`tfdata.ArrayGroups`): at an epoch's first group the epoch Keras is
-    in (`batches.epoch`, set at each epoch's start) is checked against the iterator's, and
-    a new iterator starts from Keras's where they differ and the order depends on it (a
-    resumed run's `initial_epoch`)."""
-
-    def __init__(self, groups, batches):
-        self.groups, self.batches = groups, batches
-        self.element_spec = groups.element_spec
-        self._iterator = None
-        self._epoch = None  # The epoch of the iterator's next group,
-        self._position = 0  # and its place in that epoch.
+        self._batches, self._steps = batches, steps
+        self._spec = None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        # Unshuffled batches (validation data) have one order: never a new iterator.
-        moved = self.batches.shuffle and self._epoch != self.batches.epoch
-        if self._iterator is None or (self._position == 0 and moved):
-            self._epoch = self.batches.epoch
-            self._iterator = self.groups.iterator(self._epoch)
-        element = next(self._iterator)
-        self._position += 1
-        if self._position == self.groups.groups_per_epoch:
-            self._position, self._epoch = 0, self._epoch + 1
-        return element
+        return next(self.reader)
+
+    @property
+    def element_spec(self):
+        """The spec of an element (what `fused.is_group` reads), from the first batch's
+        shapes, without reading a group."""
+        if self._spec is None:
+            first = element(self._batches.batch(0), True, None)
+            batches = tf.nest.map_structure(
+                lambda a: tf.TensorSpec((self._steps, *a.shape), tf.as_dtype(a.dtype)), first
+            )
+            self._spec = {
+                GROUP_STEPS: tf.TensorSpec((), tf.int32),
+                GROUP_BATCHES: batches,
+            }
+        return self._spec
 
 
 def _owned(pipeline):
