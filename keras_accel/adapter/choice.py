@@ -222,7 +222,10 @@ class Choice:
         model: the model (held weakly), for its name in the note and its current call.
         kind: "train" or "test".
         fingerprint: the key under which the decision is remembered (`choice_cache`), or
-            None where the model has none (remembered for this model only).
+            None where the model has none (remembered for this model only); or a function
+            that returns it, called where the decision is the measurement's.
+        refuses: a function that returns why the compiled way cannot run the steps (None:
+            it can), asked where the decision is the measurement's.
         agree: over several processes, `agree(values) -> values` giving every process the
             elementwise maximum of a list of floats; None in one process.
         announce: `announce(message)` prints the decision's note.
@@ -234,16 +237,18 @@ class Choice:
         names: dict[str, str],
         model,
         kind: str,
-        fingerprint: str | None = None,
+        fingerprint: str | Callable[[], str | None] | None = None,
         agree: Callable | None = None,
         announce: Callable[[str], None] | None = None,
+        refuses: Callable[[], str | None] | None = None,
     ):
         self.backend = backend
         self.names = names
         self.model_ref = weakref.ref(model)
         self.model_name = getattr(model, "name", "model")
         self.kind = kind
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint
+        self.refuses = refuses
         self.agree = agree
         self.announce = announce
         self.decision: Decision | None = None
@@ -255,6 +260,12 @@ class Choice:
         self._plain_spent = 0.0
         self._samples: dict[str, list[float]] = {PLAIN: [], COMPILED: []}  # In the trial.
         self._compile: tuple[float, int] | None = None  # The compiled first unit: (s, steps).
+
+    @property
+    def fingerprint(self) -> str | None:
+        if callable(self._fingerprint):
+            self._fingerprint = self._fingerprint()
+        return self._fingerprint
 
     # ------------------------------------------------------------------ the runner's side
 
@@ -306,6 +317,7 @@ class Choice:
         """The compiler refused the step: plain from now on, said once."""
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         self._set(Decision(PLAIN, "failed", why=f"{type(error).__name__}: {first}"[:300]))
+        self.refuses = None
 
     # ------------------------------------------------------------------ the decisions
 
@@ -317,6 +329,10 @@ class Choice:
         if self.decision is not None and self.decision.how == "forced":
             self.decision = None  # Forced by the last call only: ours to choose again.
         if self.decision is not None or self._units:
+            return
+        refused = None if self.refuses is None else self.refuses()
+        if refused is not None:
+            self.failed(ValueError(refused))
             return
         remembered = _remembered(self.fingerprint)
         if self.agree is not None:

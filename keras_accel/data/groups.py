@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import element, map_structure
+from keras_accel.data.batching import element
 
 
 @dataclass(frozen=True)
@@ -57,23 +59,28 @@ class ArrayGroupPasses(PaddedBatchesAdapter):
             yield stacked if super_batch else StackedGroup(stacked, count)
 
 
-# The keys of a group's element (`SlotGroups`).
+# The keys of a group's element (`RowGroups`).
 GROUP_STEPS = "keras_accel_steps"
-GROUP_BATCHES = "keras_accel_batches"
+GROUP_ROWS = "keras_accel_rows"
+GROUP_REAL = "keras_accel_real"
+GROUP_DATA = "keras_accel_data"
 
 
-class SlotGroups:
-    """The groups of `steps` batches of `batches` (`keras_accel.data.sources.ArrayBatches`)
-    one program reads per call (TensorFlow, one device), epoch after epoch, made on the host
-    when asked: no pipeline to build, no thread, nothing kept between calls.
+class RowGroups:
+    """Which rows of the arrays each group of `steps` batches of `batches`
+    (`keras_accel.data.sources.ArrayBatches`) holds, epoch after epoch, for a program that
+    gathers them itself from arrays it holds whole (TensorFlow, one device): per group
+    only the rows' positions cross from the host, no batch is copied there, no pipeline is
+    built.
 
-    Each element is `{GROUP_STEPS: k, GROUP_BATCHES: b}`, `b` the group's padded batches as
-    the step reads them (`element`, with the row mask), stacked on a new first axis of
-    exactly `steps` slots, gathered in one `take` per array (`ArrayBatches.group`): the
-    same rows, order, padding and mask as the batches one by one. An epoch's last group
-    holds k < `steps`; its missing slots repeat its last batch and are never run, so every
-    element has one shape. The rows are those of `batches.epoch` at each epoch's first
-    group (`Accelerator.fit` sets it as each epoch begins)."""
+    Each element is `{GROUP_STEPS: k, GROUP_ROWS: positions, GROUP_REAL: real}`: the
+    positions (int64, `steps` x the static batch size, flattened) of the rows of the
+    group's padded batches in the epoch's order (`ArrayBatches.epoch_indices`, the order of
+    every backend), and each slot's real rows (int32, `steps`); a padding row's position is
+    0 and its row is masked out (`keras_accel.data.tfdata.gather_group`). An epoch's last
+    group holds k < `steps` batches; its missing slots have no real rows and are never
+    run, so every element has one shape. The rows are those of `batches.epoch` at each
+    epoch's first group (`Accelerator.fit` sets it as each epoch begins)."""
 
     def __init__(self, batches, steps: int):
         self.batches = batches
@@ -86,28 +93,27 @@ class SlotGroups:
         return self
 
     def __next__(self) -> dict:
-        if self._position == 0:
-            self._epoch = self.batches.epoch
-        batches, total = self.batches, len(self.batches)
-        first = self._position * self.steps
-        count = min(self.steps, total - first)
-        if batches.epoch != self._epoch:  # Moved on by the caller: its epoch from the start.
-            self._epoch, first, count = batches.epoch, 0, min(self.steps, total)
-            self._position = 0
-        group = batches.group(first, count)
-        if count < self.steps:  # Never run: copies of the last batch give every group one shape.
-            group = map_structure(lambda a: _filled(a, self.steps), group)
+        batches = self.batches
+        if self._position == 0 or batches.epoch != self._epoch:
+            # An epoch's first group, or an epoch moved on by the caller: from its start.
+            self._epoch, self._position = batches.epoch, 0
+        plan, steps = batches.plan, self.steps
+        first = self._position * steps
+        count = min(steps, len(batches) - first)
+        rows, static = plan.batch_size, plan.static_rows
+        order = batches.epoch_indices(self._epoch)
+        real = np.zeros(steps, np.int32)
+        real[:count] = plan.real_rows[first : first + count]
+        start = first * rows
+        if count == steps and rows == static and (real == static).all():
+            positions = np.asarray(order[start : start + count * rows], np.int64)
+        else:  # A padded batch in the group, or missing slots.
+            positions = np.zeros((steps, static), np.int64)
+            for slot in range(count):
+                begin = start + slot * rows
+                positions[slot, : real[slot]] = order[begin : begin + real[slot]]
+            positions = positions.reshape(-1)
         self._position += 1
         if self._position == self.groups_per_epoch:
             self._position = 0
-        return {
-            GROUP_STEPS: count,
-            GROUP_BATCHES: element(group, True, None, batches.plan.static_rows),
-        }
-
-
-def _filled(array, slots: int):
-    import numpy as np
-
-    missing = slots - array.shape[0]
-    return np.concatenate([array, np.repeat(array[-1:], missing, axis=0)], axis=0)
+        return {GROUP_STEPS: count, GROUP_ROWS: positions, GROUP_REAL: real}

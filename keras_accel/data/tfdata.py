@@ -255,6 +255,43 @@ def _array_sources(batches: ArrayBatches):
     return leaves, order, tf.constant(batches.plan.real_rows)
 
 
+def host_arrays(batches: ArrayBatches):
+    """`(x, y, sample_weight)` of `batches` as host tensors (at most one copy of each array:
+    `_host_tensor`), for a program that gathers its own rows (`gather_group`)."""
+    with tf.device("/cpu:0"):
+        return tf.nest.map_structure(
+            lambda a: None if a is None else _host_tensor(a),
+            (batches.x, batches.y, batches.sample_weight),
+        )
+
+
+def gather_group(leaves, positions, real, steps: int):
+    """The padded batches of a group (`keras_accel.data.groups.RowGroups`) as the step
+    reads them, stacked on a new first axis of `steps`: `pack(x, y, weights, mask)`, each
+    array's rows gathered from `leaves` (`host_arrays`) at `positions` (`steps` x the static
+    batch size, flattened), the rows past each slot's `real` rows zeros with mask and weight
+    0, the weights the user's (as float32) or the mask: the batches `ArrayBatches.batch`
+    makes, value for value."""
+    static = positions.shape[0] // steps
+    mask = tf.cast(tf.range(static)[tf.newaxis, :] < real[:, tf.newaxis], tf.float32)
+
+    def gathered(t, dtype=None):
+        out = tf.gather(t, positions)
+        out = tf.reshape(out, [steps, static, *t.shape[1:]])
+        if dtype is not None:
+            out = tf.cast(out, dtype)
+        keep = tf.reshape(mask > 0, [steps, static] + [1] * (out.shape.rank - 2))
+        return tf.where(keep, out, tf.zeros_like(out))
+
+    x, y, sample_weight = leaves
+    x = tf.nest.map_structure(gathered, x)
+    if y is None:
+        return pack(x, None, None, mask)
+    y = tf.nest.map_structure(gathered, y)
+    weights = mask if sample_weight is None else gathered(sample_weight, tf.float32)
+    return pack(x, y, weights, mask)
+
+
 def _with_array_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     # No auto-shard policy here: under MirroredStrategy and MultiWorkerMirroredStrategy the

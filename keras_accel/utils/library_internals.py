@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import importlib
 import sys
 import threading
@@ -127,6 +128,15 @@ INTERNALS: list[Internal] = [
         fallback="the device data sets as TensorFlow makes them (a wait, never a number)",
     ),
     Internal(
+        "TensorFlow",
+        "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction",
+        "_call_flat",
+        "calling a traced function with its flat tensor inputs: a group of steps on one "
+        "device is one call, and the public call's signature handling took 0.2 ms of it "
+        "(a small model's group of 32 steps runs in about 1 ms)",
+        fallback="the public call with the same inputs (the same numbers, 0.2 ms a call more)",
+    ),
+    Internal(
         "JAX",
         "jax._src.distributed",
         "global_state",
@@ -167,15 +177,19 @@ def _internal(name: str) -> Internal:
 
 
 def _find(name: str) -> Any:
-    """`module.name` of the listed internal `name`, or `LibraryInternalsError`."""
+    """`module.name` (or `module:Class.name`) of the listed internal `name`, or
+    `LibraryInternalsError`."""
     internal = _internal(name)
+    module_name, _, class_name = internal.module.partition(":")
     try:
-        module = importlib.import_module(internal.module)
+        owner = importlib.import_module(module_name)
     except ImportError:
         raise _error(internal) from None
-    if not hasattr(module, name):
+    if class_name:
+        owner = getattr(owner, class_name, None)
+    if owner is None or not hasattr(owner, name):
         raise _error(internal)
-    return getattr(module, name)
+    return getattr(owner, name)
 
 
 def _find_optional(name: str) -> Any | None:
@@ -272,6 +286,19 @@ def jax_distributed_client():
 
 
 # ---------------------------------------------------------------- TensorFlow
+
+
+def tf_call_concrete(concrete, inputs: list):
+    """`concrete(*inputs)` for a concrete function whose inputs are exactly `inputs`, flat
+    tensors in its signature's order, without the public call's signature handling."""
+    if not _has_call_flat():
+        return concrete(*inputs)
+    return concrete._call_flat(inputs, concrete.captured_inputs)
+
+
+@functools.lru_cache(maxsize=1)
+def _has_call_flat() -> bool:
+    return _find_optional("_call_flat") is not None
 
 
 def tf_auto_shard_dataset() -> type:

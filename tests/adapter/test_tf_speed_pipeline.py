@@ -77,19 +77,22 @@ def test_groups_stay_small_for_large_batches():
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_the_pipeline_and_the_host_groups_hold_every_backends_batches(shuffle):
+@pytest.mark.parametrize("weights", [False, True])
+def test_the_pipeline_and_the_row_groups_hold_every_backends_batches(shuffle, weights):
     """One row order on every backend and every route: the tf.data pipeline's batches and
-    the host groups one program reads (`SlotGroups`) are `ArrayBatches.batch()`'s, epoch
-    after epoch (the order a function of the seed and the epoch)."""
+    the groups one program gathers itself (`RowGroups`' positions, `gather_group`) are
+    `ArrayBatches.batch()`'s, epoch after epoch (the order a function of the seed and the
+    epoch)."""
     from keras_accel.data.batching import element
-    from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS, SlotGroups
+    from keras_accel.data.groups import GROUP_REAL, GROUP_ROWS, GROUP_STEPS, RowGroups
 
     rng = np.random.default_rng(2)
     n = 45  # 6 batches of 8, the last of 5 real rows.
-    x, y = rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
-    batches = ArrayBatches(x, y, batch_size=8, num_replicas=1, shuffle=shuffle, seed=4)
+    x, y = rng.normal(size=(n, 3)).astype("float32"), rng.integers(0, 4, (n, 2))
+    sw = rng.random(n) if weights else None
+    batches = ArrayBatches(x, y, sw, batch_size=8, num_replicas=1, shuffle=shuffle, seed=4)
     pipeline = tfdata.array_pipeline(batches)
-    groups = SlotGroups(batches, 4)
+    groups, arrays = RowGroups(batches, 4), tfdata.host_arrays(batches)
     for epoch in (0, 1):
         batches.epoch = epoch
         want = [element(batches.batch(i), True, None) for i in range(len(batches))]
@@ -100,10 +103,14 @@ def test_the_pipeline_and_the_host_groups_hold_every_backends_batches(shuffle):
             group = next(groups)
             count = min(4, len(batches) - first)
             assert group[GROUP_STEPS] == count
-            for slot in range(4):  # The missing slots repeat the last batch (never run).
-                expected = want[first + min(slot, count - 1)]
-                got = [leaf[slot] for leaf in tf.nest.flatten(group[GROUP_BATCHES])]
-                for u, v in zip(got, tf.nest.flatten(expected)):
+            stacked = tfdata.gather_group(
+                arrays, tf.constant(group[GROUP_ROWS]), tf.constant(group[GROUP_REAL]), 4
+            )
+            for slot in range(count):  # (Missing slots are never run.)
+                got = [leaf[slot].numpy() for leaf in tf.nest.flatten(stacked)]
+                expected = tf.nest.flatten(want[first + slot])
+                for u, v in zip(got, expected):
+                    assert u.dtype == v.dtype
                     np.testing.assert_array_equal(u, v)
         batches.on_epoch_end()
     if shuffle:  # Another epoch, another order.

@@ -139,12 +139,13 @@ class CompiledStep:
                 "processes": process.num_processes(),
             }
             described = [[list(shape), dtype] for shape, dtype in signature]
+            model_ref, kind = self.model_ref, self.kind
             choice = kept[(self.kind, signature)] = choices.Choice(
                 "torch",
                 NAMES,
                 model,
                 self.kind,
-                fingerprint=choice_cache.fingerprint(model, self.kind, described, details),
+                fingerprint=lambda: choice_cache.fingerprint(model_ref(), kind, described, details),
                 agree=self.agree,
                 announce=print_msg,
             )

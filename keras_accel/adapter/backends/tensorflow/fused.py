@@ -8,7 +8,9 @@ import tensorflow as tf
 
 from keras_accel.adapter import guard
 from keras_accel.adapter.backends.tensorflow.reduction import reduce_logs
-from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS
+from keras_accel.data import tfdata
+from keras_accel.data.groups import GROUP_DATA, GROUP_REAL, GROUP_ROWS, GROUP_STEPS
+from keras_accel.utils import library_internals
 
 
 def fused_function(model, kind: str):
@@ -176,28 +178,35 @@ class GroupRunner:
         return self.function(iterator, n)
 
     def run_group(self, iterator):
-        """One group from the host (`GroupedBatches`): its batches stacked, as numpy, run
-        as one program (or, in a trial, as a few: `Choice.unit`)."""
+        """One group from the host (`GroupedBatches`): its rows gathered from the arrays and
+        run as one program (or, in a trial, as a few: `Choice.unit`)."""
         from keras_accel.adapter import choice as choices
 
         element = next(iterator)
         count = int(element[GROUP_STEPS])
-        batches = tf.nest.map_structure(tf.convert_to_tensor, element[GROUP_BATCHES])
-        spec = tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches))
+        arrays = element[GROUP_DATA]
+        rows, real = tf.constant(element[GROUP_ROWS]), tf.constant(element[GROUP_REAL])
+        spec = (
+            int(real.shape[0]),
+            int(rows.shape[0]),
+            tuple(_row_spec(t) for t in tf.nest.flatten(arrays)),
+        )
         choice = self._choices.get(spec)
         if choice is None:
             choice = self._choices[spec] = self._choice(spec)
+        inputs = [t for t in tf.nest.flatten(arrays) if t is not None] + [rows, real]
         begin, outputs = 0, None
         while begin < count:
             path, steps = choice.unit(count - begin)
-            program = self._program(path, spec, batches)
+            program = self._program(path, spec, arrays)
             end = begin + steps
+            args = [*inputs, self._bound(begin), self._bound(end)]
             if not choice.timed():
-                outputs = program(batches, self._bound(begin), self._bound(end))
+                outputs = library_internals.tf_call_concrete(program, args)
             else:
                 started = choices.clock()
                 try:
-                    outputs = program(batches, self._bound(begin), self._bound(end))
+                    outputs = library_internals.tf_call_concrete(program, args)
                     _wait(outputs)
                 except tf.errors.OpError as error:
                     if path != choices.COMPILED or not _xla_refused(error):
@@ -214,33 +223,57 @@ class GroupRunner:
             bound = self._bounds[value] = tf.constant(value, tf.int32)
         return bound
 
-    def _program(self, path, spec, batches):
+    def _program(self, path, spec, arrays):
+        """The concrete function of `path` that gathers a group's rows from arrays of any
+        row count and runs its steps `begin` to `end`: traced once per array shapes (past
+        the first axis) and group shape."""
         concrete = self._concrete.get((path, spec))
         if concrete is None:
-            concrete = self.programs[path].get_concrete_function(
-                batches, self._bound(0), self._bound(1)
+            steps, positions, _ = spec
+            program = self.programs[path]
+
+            def gather_and_run(arrays, rows, real, begin, end):
+                return program(tfdata.gather_group(arrays, rows, real, steps), begin, end)
+
+            signature = (
+                tf.nest.map_structure(_row_spec, arrays),
+                tf.TensorSpec((positions,), tf.int64),
+                tf.TensorSpec((steps,), tf.int32),
+                tf.TensorSpec((), tf.int32),
+                tf.TensorSpec((), tf.int32),
+            )
+            # No autograph: the gather has no Python control flow (the programs, as Keras's
+            # step functions, keep theirs).
+            concrete = tf.function(gather_and_run, autograph=False).get_concrete_function(
+                *signature
             )
             self._concrete[(path, spec)] = concrete
         return concrete
 
     def _choice(self, spec):
+        """The model's `Choice` for groups of `spec` (steps, rows, the arrays' specs)."""
         from keras_accel.adapter import choice, choice_cache
         from keras_accel.utils.printing import print_msg
 
         model = self.model_ref()
-        signature = [[list(shape), dtype] for shape, dtype in spec]
+        steps, positions, arrays = spec
+        described = [[list(s.shape), s.dtype.name] for s in arrays if s is not None]
+        signature = [steps, positions, described]
         details = {"device": _device(model), "program": "group"}
-        runner = choice.Choice(
+        model_ref = self.model_ref
+        return choice.Choice(
             "tensorflow",
             self.NAMES,
             model,
             self.kind,
-            fingerprint=choice_cache.fingerprint(model, self.kind, signature, details),
+            fingerprint=lambda: choice_cache.fingerprint(
+                model_ref(), self.kind, signature, details
+            ),
             announce=print_msg,
+            refuses=lambda: None
+            if supports_xla(model_ref())
+            else "Keras says the model does not support XLA",
         )
-        if not supports_xla(model):
-            runner.failed(ValueError("Keras says the model does not support XLA"))
-        return runner
 
     def _group(self, iterator, n):
         first = next(iterator)  # Out of range here ends the epoch, as Keras expects.
@@ -284,6 +317,13 @@ class GroupRunner:
                 return i + 1, one(i)
 
         return tf.while_loop(lambda i, outputs: i < end, body, (begin + 1, outputs))[1]
+
+
+def _row_spec(t):
+    """A spec of `t` for any number of rows (None stays None)."""
+    if t is None:
+        return None
+    return tf.TensorSpec((None, *t.shape[1:]), t.dtype)
 
 
 def supports_xla(model) -> bool:

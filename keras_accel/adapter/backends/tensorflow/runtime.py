@@ -23,8 +23,8 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import element, flatten
-from keras_accel.data.groups import GROUP_BATCHES, GROUP_STEPS, SlotGroups
+from keras_accel.data.batching import flatten
+from keras_accel.data.groups import GROUP_DATA, GROUP_REAL, GROUP_ROWS, GROUP_STEPS, RowGroups
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
 from keras_accel.utils import keras_internals, library_internals
@@ -344,15 +344,19 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
 
 
 class GroupedBatches(PaddedBatchesAdapter):
-    """Groups of padded batches (`keras_accel.data.groups.SlotGroups`) as Keras's TF
-    trainer reads them: its epochs count `num_batches` steps, N per call, and our fused
-    function reads one group per call (`fused.GroupRunner.run_group`)."""
+    """Groups of padded batches as Keras's TF trainer reads them: its epochs count
+    `num_batches` steps, N per call, and our fused function runs one group per call
+    (`fused.GroupRunner.run_group`), gathering its rows from the arrays, which it holds
+    whole as host tensors (`tfdata.host_arrays`, made once per call), at the positions
+    `keras_accel.data.groups.RowGroups` gives."""
 
     feeds = "TensorFlow's trainer"
 
     def __init__(self, batches, steps: int):
+        from keras_accel.data import tfdata
+
         self.batches = batches
-        self._groups = _Groups(SlotGroups(batches, steps), batches, steps)
+        self._groups = _Groups(RowGroups(batches, steps), tfdata.host_arrays(batches), steps)
 
     def get_tf_dataset(self):
         return self._groups
@@ -369,33 +373,31 @@ class GroupedBatches(PaddedBatchesAdapter):
 
 class _Groups(tf.distribute.DistributedDataset):
     """What Keras's TF epoch iterator iterates, each epoch (and again at each epoch's end):
-    the one reader of the call's groups (Keras takes a `DistributedDataset` as it is)."""
+    the one reader of the call's groups (Keras takes a `DistributedDataset` as it is). Each
+    element is a `RowGroups` element and the arrays (`GROUP_DATA`)."""
 
-    def __init__(self, reader, batches, steps: int):
-        self.reader = reader
-        self._batches, self._steps = batches, steps
-        self._spec = None
+    def __init__(self, rows, arrays, steps: int):
+        self.rows, self.arrays, self.steps = rows, arrays, steps
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self.reader)
+        group = next(self.rows)
+        group[GROUP_DATA] = self.arrays
+        return group
 
     @property
     def element_spec(self):
-        """The spec of an element (what `fused.is_group` reads), from the first batch's
-        shapes, without reading a group."""
-        if self._spec is None:
-            first = element(self._batches.batch(0), True, None)
-            batches = tf.nest.map_structure(
-                lambda a: tf.TensorSpec((self._steps, *a.shape), tf.as_dtype(a.dtype)), first
-            )
-            self._spec = {
-                GROUP_STEPS: tf.TensorSpec((), tf.int32),
-                GROUP_BATCHES: batches,
-            }
-        return self._spec
+        """What `fused.is_group` reads: an element's keys, its arrays' specs."""
+        return {
+            GROUP_STEPS: tf.TensorSpec((), tf.int32),
+            GROUP_ROWS: tf.TensorSpec((None,), tf.int64),
+            GROUP_REAL: tf.TensorSpec((self.steps,), tf.int32),
+            GROUP_DATA: tf.nest.map_structure(
+                lambda t: None if t is None else tf.TensorSpec.from_tensor(t), self.arrays
+            ),
+        }
 
 
 def _owned(pipeline):
