@@ -314,6 +314,15 @@ def copy(source: str, target: str) -> None:
     fs.copy(inner, inner_target, recursive=fs.isdir(inner))
 
 
+def info(path: str) -> dict:
+    """What the storage says of the file `path`, read afresh: fsspec's `info` (`size`, and
+    what the store adds: GCS's `crc32c`, S3's `ETag`, ...); locally `{"size": ...}`."""
+    fs, inner = _fs(path)
+    if fs is None:
+        return {"size": os.path.getsize(inner)}
+    return fs.info(inner)
+
+
 def getmtime(path: str) -> float | None:
     """Modification time in seconds since the epoch, or None where the storage has none."""
     fs, inner = _fs(path)
