@@ -115,8 +115,14 @@ class BackupAndRestore(keras.callbacks.Callback):
       (`run_context(model).replaying(epoch, batch)`).
     - **rotation and atomic commits** by the engine: the newest `max_to_keep` backups are
       kept (default 5, as the seed's `CheckpointManager`), one per training step; a backup
-      that a crash interrupted is never listed, and a damaged latest one is skipped with a
-      warning naming it, the one before it used instead.
+      that a crash interrupted is never listed.
+    - **verified**: every backup commits with each file's size and CRC32C
+      (`keras_accel.state.checksums`; tf.train keeps its own), checked before a restore. A
+      damaged newest backup is named in a warning (step, file, what differs), set aside
+      under `backup_dir/damaged/` and the newest intact one restored; none intact is an
+      error naming each. A backup that cannot be written stops training naming the
+      directory, the step, the cause and the newest intact backup, and leaves nothing of
+      itself behind.
     - **one run per directory**: a lock file makes a second run pointed at the same
       directory fail with a clear error while the first is alive.
     - **chief-coordinated**: every process hands its state to the engine (which writes each
@@ -693,12 +699,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         return [engine.path(step) for step in engine.steps()]
 
     def restore(self) -> bool:
-        """Restore the newest usable backup into the model; False if there is none.
+        """Restore the newest intact backup into the model; False if there is none.
 
-        A backup that cannot be read (damaged files, an unreadable record) is skipped with a
-        warning naming it, and the one before it is used. One that does not fit the model
-        raises a ValueError naming the variables, as does a change in the number of batches
-        per epoch when the backup was taken mid-epoch.
+        Each backup's files are checked against the sizes and CRC32Cs its commit recorded
+        first. A damaged one is named in a warning and set aside under `damaged/` (kept,
+        never listed again) once an older one restores; one that cannot be read for another
+        reason is skipped with a warning naming it. None intact raises a RuntimeError naming
+        each. One that does not fit the model raises a ValueError naming the variables, as
+        does a change in the number of batches per epoch when the backup was taken mid-epoch.
         """
         if not files.isdir(self.backup_dir):
             return False
