@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import keras
@@ -316,3 +317,38 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_and_the_run_resumes_exactly(
     ), warning
     _assert_same(resumed, uninterrupted)
     assert not os.path.exists(backup_dir)  # Trained to the end: backups and lock gone.
+
+
+def test_across_processes_a_damaged_step_moves_between_two_barriers(
+    tmp_path, monkeypatch, uninterrupted
+):
+    """Every process checks the backups; the chief moves a damaged one only once every
+    process has read it (a barrier), and none goes on before it is gone (another): here the
+    barriers of a run of 2 processes, recorded with what the directory held at each."""
+    from keras_accel.callbacks import backup as backup_module
+    from keras_accel.utils import process
+
+    backup_dir = str(tmp_path / "backup")
+    first = BackupAndRestore(backup_dir, delete_checkpoint=False)
+    fit(model(), first, epochs=2)
+    sizes = _sizes(first.checkpoints()[-1])
+    _flip_64_bytes(max(sizes, key=sizes.get))
+    met = []
+    # The callback's view only: the engines and the preemption watch stay in one process.
+    two = types.SimpleNamespace(**vars(process))
+    two.num_processes = lambda: 2
+    two.barrier = lambda name, model=None: met.append((name, sorted(os.listdir(backup_dir))))
+    monkeypatch.setattr(backup_module, "process", two)
+    with pytest.warns(UserWarning, match="is damaged"):
+        resumed = fit(model(), BackupAndRestore(backup_dir, delete_checkpoint=False))
+    monkeypatch.undo()
+    names = [name for name, _ in met]
+    assert names[:3] == [
+        "keras_accel.BackupAndRestore.on_train_begin",
+        "keras_accel.BackupAndRestore.damaged",
+        "keras_accel.BackupAndRestore.set_aside",
+    ]
+    before, after = met[1][1], met[2][1]
+    assert checksums.DAMAGED not in before and checksums.DAMAGED in after
+    assert len(before) == len(after)  # The damaged step left its place for damaged/.
+    _assert_same(resumed, uninterrupted)

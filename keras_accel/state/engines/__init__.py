@@ -30,6 +30,12 @@ An engine opened on a directory answers:
 - every process of a run calls `save`, `restore`, `delete`, `delete_all` and `close`, in
   the same order: an engine's own multi-process protocol may meet the other processes
   there (Orbax's does), and the engine decides which process writes or deletes what;
+- `verify(step)`: check the step's files against the sizes and CRC32Cs its commit recorded
+  (`keras_accel.state.checksums`; tf.train: every tensor through TensorFlow's own checks),
+  raising `checksums.Damaged` naming the file and what differs; False where there is no
+  record to check against (a step written before records). `set_aside(step)` moves a
+  damaged step under `damaged/`, out of every listing, and returns where it is now;
+- a failed save (a full disk) raises from `save` or `wait`, once, with its files removed;
 - `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);
 - `interrupted`: the numbers of saves found uncommitted when it opened (a process killed
   while writing them), whose leftovers it removes; never listed by `steps()`;
