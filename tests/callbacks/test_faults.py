@@ -350,5 +350,5 @@ def test_across_processes_a_damaged_step_moves_between_two_barriers(
     ]
     before, after = met[1][1], met[2][1]
     assert checksums.DAMAGED not in before and checksums.DAMAGED in after
-    assert len(before) == len(after)  # The damaged step left its place for damaged/.
+    assert set(after) - {checksums.DAMAGED} < set(before)  # The damaged step's entries left.
     _assert_same(resumed, uninterrupted)
