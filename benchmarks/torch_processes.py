@@ -6,8 +6,8 @@ and in two processes on this host (each one half of every global batch, the grad
 all-reduced over gloo), each with its share of the host's cores for torch's threads. It
 prints the median seconds per epoch after warm-up epochs, and the scaling: one process's
 time over two processes' (above 1: two are faster). Each process count runs compiled
-(`torch_compiled` from the second step: `KERAS_ACCEL_TORCH_COMPILE_AFTER=0`) and eager
-(`KERAS_ACCEL_TORCH_COMPILE=0`).
+(`torch_compiled` from the second step: `KERAS_ACCEL_JIT_COMPILE=1`) and eager
+(`KERAS_ACCEL_JIT_COMPILE=0`).
 
     python benchmarks/torch_processes.py [--steps 1024] [--rounds 3] [--warmup 3]
         [--metrics accuracy ...]
@@ -135,10 +135,10 @@ def main() -> int:
     ]
     # One process compiles its step (after 2,000 eager steps on "auto": from now on); several
     # run it eagerly, so one eager process is measured too, to tell the two costs apart.
-    one = run(1, argv, KERAS_ACCEL_TORCH_COMPILE_AFTER="0")
-    eager = run(1, argv, KERAS_ACCEL_TORCH_COMPILE="0")
-    two = run(2, argv, KERAS_ACCEL_TORCH_COMPILE_AFTER="0")
-    two_eager = run(2, argv, KERAS_ACCEL_TORCH_COMPILE="0")
+    one = run(1, argv, KERAS_ACCEL_JIT_COMPILE="1")
+    eager = run(1, argv, KERAS_ACCEL_JIT_COMPILE="0")
+    two = run(2, argv, KERAS_ACCEL_JIT_COMPILE="1")
+    two_eager = run(2, argv, KERAS_ACCEL_JIT_COMPILE="0")
     metrics = ", ".join(args.metrics) or "none"
     print(
         f"torch, dense 64, global batch {args.batch}, {args.steps} steps per epoch, "

@@ -14,7 +14,9 @@ like cuDNN's benchmark mode for kernels, the Accelerator times both on the user'
 2. Once the plain way's time for this model and step kind (spent so far in the process,
    plus what the current call's remaining steps would take) reaches the trial threshold
    (`TRIAL_AFTER_S`, per backend about one compilation's cost: a compilation that saves
-   less than that cannot pay for itself), a trial: the compiled way's first unit (its
+   less than that cannot pay for itself; where the compiled way can save only a known
+   amount a step, `most_saved_s`, steps too long for that to matter are not tried), a
+   trial: the compiled way's first unit (its
    compilation, timed apart), then units of each way in turn until each has its share of
    timed units. Every unit of the trial trains: nothing is run twice. Where a plain step
    is slow, the compiled way's first units run one step each, and a compiled way more than
@@ -52,12 +54,12 @@ PLAIN, COMPILED = "plain", "compiled"
 ENVIRONMENT = "KERAS_ACCEL_JIT_COMPILE"
 # Seconds of plain steps (spent in the process plus the call's projected rest) from which a
 # trial is run; per backend, about what one compilation of a small model costs on a CPU
-# (TensorFlow's XLA: ~1 s; torch.compile: several seconds). `KERAS_ACCEL_JIT_COMPILE_AFTER`
-# sets it for every backend.
-TRIAL_AFTER_S = {"tensorflow": 1.0, "torch": 4.0}
+# (TensorFlow's XLA: ~1 s; torch.compile: several seconds; JAX's scan: the step compiled
+# once more, under a second). `KERAS_ACCEL_JIT_COMPILE_AFTER` sets it for every backend.
+TRIAL_AFTER_S = {"tensorflow": 1.0, "torch": 4.0, "jax": 0.5}
 # Timed units of each way in a trial (after the compiled way's first): groups of steps on
 # TensorFlow, single steps on torch, whose times vary more.
-TRIAL_UNITS = {"tensorflow": 3, "torch": 12}
+TRIAL_UNITS = {"tensorflow": 3, "torch": 12, "jax": 3}
 # The compiled way is kept where its median step is at most (1 - MARGIN) of the plain one's:
 # a tie keeps the way that needs no compiler.
 MARGIN = 0.05
@@ -71,9 +73,11 @@ SLOWER = 2.0
 AGREE_EVERY = 16
 
 
-def requested(setting, model) -> tuple[str, str]:
+def requested(setting, model, model_decides: bool = True) -> tuple[str, str]:
     """The way `model`'s steps must run, and what says so: `(COMPILED | PLAIN | AUTO,
-    why)`. `setting` is the Accelerator's `jit_compile` argument."""
+    why)`. `setting` is the Accelerator's `jit_compile` argument; `model_decides`: whether
+    the model's own `jit_compile=True` forces the compiled way (not on JAX, where Keras's
+    "auto" resolves to True and both ways are compiled)."""
     if getattr(model, "run_eagerly", False):
         return PLAIN, "run_eagerly=True"
     if setting is not AUTO:
@@ -81,7 +85,7 @@ def requested(setting, model) -> tuple[str, str]:
     env = environment_setting()
     if env is not AUTO:
         return (COMPILED if env else PLAIN), f"{ENVIRONMENT}={os.environ[ENVIRONMENT]}"
-    if getattr(model, "jit_compile", False) is True:
+    if model_decides and getattr(model, "jit_compile", False) is True:
         return COMPILED, "the model's jit_compile=True"
     # False: Keras's "auto" (which it resolves to False on CPUs and on torch) or the user's
     # False, which Keras records alike: ours to measure.
@@ -226,6 +230,12 @@ class Choice:
             that returns it, called where the decision is the measurement's.
         refuses: a function that returns why the compiled way cannot run the steps (None:
             it can), asked where the decision is the measurement's.
+        most_saved_s: where the compiled way can save at most this many seconds a step (JAX's
+            scanned group saves the host's per-call work, nothing of the step itself), a
+            plain step long enough that it could not save `MARGIN` of it keeps the plain way
+            without a trial.
+        model_decides: whether the model's `jit_compile=True` forces the compiled way
+            (`requested`).
         agree: over several processes, `agree(values) -> values` giving every process the
             elementwise maximum of a list of floats; None in one process.
         announce: `announce(message)` prints the decision's note.
@@ -241,6 +251,8 @@ class Choice:
         agree: Callable | None = None,
         announce: Callable[[str], None] | None = None,
         refuses: Callable[[], str | None] | None = None,
+        most_saved_s: float | None = None,
+        model_decides: bool = True,
     ):
         self.backend = backend
         self.names = names
@@ -249,6 +261,8 @@ class Choice:
         self.kind = kind
         self._fingerprint = fingerprint
         self.refuses = refuses
+        self.most_saved_s = most_saved_s
+        self.model_decides = model_decides
         self.agree = agree
         self.announce = announce
         self.decision: Decision | None = None
@@ -308,7 +322,10 @@ class Choice:
         if not self._at_agreement_point():
             return
         if not self.trial:
-            if self._plain and self._worth_a_trial(call):
+            if self._plain and self._nothing_to_gain():
+                plain_s = self._plain_step()
+                self._set(Decision(PLAIN, "measured", plain_s, why="nothing to gain"))
+            elif self._plain and self._worth_a_trial(call):
                 self.trial = True
             return
         self._maybe_decide()
@@ -322,7 +339,7 @@ class Choice:
     # ------------------------------------------------------------------ the decisions
 
     def _at_call(self, call: Call) -> None:
-        path, why = requested(call.setting, self.model_ref())
+        path, why = requested(call.setting, self.model_ref(), self.model_decides)
         if path is not AUTO:
             self.decision = Decision(path, "forced", why=why)  # Said by the user: no note.
             return
@@ -351,6 +368,14 @@ class Choice:
     def _plain_step(self) -> float:
         recent = self._plain[-5:] or self._samples[PLAIN][-5:]
         return statistics.median(recent) if recent else 0.0
+
+    def _nothing_to_gain(self) -> bool:
+        if self.most_saved_s is None:
+            return False
+        step = self._plain_step()
+        if self.agree is not None:
+            (step,) = self.agree([step])
+        return self.most_saved_s < MARGIN * step
 
     def _worth_a_trial(self, call: Call) -> bool:
         spent = self._plain_spent + self._plain_step() * call.left()
@@ -405,6 +430,12 @@ def note(model_name: str, kind: str, names: dict[str, str], decision: Decision) 
         return (
             f"{head}: compiling them failed ({decision.why}); the same numbers, as Keras "
             f"runs them. {ENVIRONMENT}=0 skips the attempt."
+        )
+    if decision.why == "nothing to gain":
+        return (
+            f"{head} ({_ms(decision.plain_step_s)} a step, of which {names[COMPILED]} could "
+            f"save only the host's per-call work, under {MARGIN:.0%}). {ENVIRONMENT}=1 or 0 "
+            "(or Accelerator(jit_compile=...)) forces either."
         )
     times = (
         f"{_ms(decision.plain_step_s)} a step {names[PLAIN]}, "

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 FILE = "compile_choices.json"
 LIMIT = 512
@@ -126,12 +127,17 @@ def _write(entries: dict) -> None:
 def fingerprint(model, kind: str, signature, details: dict | None = None) -> str | None:
     """The key of `model`'s `kind` steps on inputs of `signature` (a JSON-able description
     of shapes and dtypes) on this machine, or None where the model cannot be described."""
-    described = _model(model)
+    with warnings.catch_warnings():
+        # Keras's serialization warns about its own objects (a variable's `__array__`):
+        # nothing the user asked for, and not theirs to act on.
+        warnings.simplefilter("ignore")
+        described = _model(model)
+        compiled = _compile_config(model)
     if described is None:
         return None
     parts = {
         "model": described,
-        "compile": _canonical(_compile_config(model)),
+        "compile": _canonical(compiled),
         "kind": kind,
         "signature": signature,
         "machine": _machine(),

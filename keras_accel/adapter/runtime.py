@@ -132,19 +132,24 @@ class Runtime:
         test steps, not run eagerly, of a model compiled with `jit_compile` where
         `compiled_only` (JAX: the step function that reads a whole group is a compiled
         one)."""
+        return (
+            kind in ("train", "test")
+            and steps_per_call > 1
+            and (bool(model.jit_compile) or not compiled_only)
+            and not model.run_eagerly
+            and Runtime.numeric_arrays(batches, preprocess)
+        )
+
+    @staticmethod
+    def numeric_arrays(batches, preprocess=None) -> bool:
+        """Whether `batches` are in-memory numpy arrays of numbers (no text, nothing
+        sparse), read without preprocessing."""
         import numpy as np
 
         from keras_accel.data.batching import flatten
         from keras_accel.data.sources import ArrayBatches
 
-        if not (
-            kind in ("train", "test")
-            and steps_per_call > 1
-            and isinstance(batches, ArrayBatches)
-            and preprocess is None
-            and (bool(model.jit_compile) or not compiled_only)
-            and not model.run_eagerly
-        ):
+        if not isinstance(batches, ArrayBatches) or preprocess is not None:
             return False
         arrays = flatten((batches.x, batches.y, batches.sample_weight))
         return all(

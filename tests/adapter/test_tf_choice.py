@@ -24,14 +24,17 @@ def ways_run(monkeypatch):
     from keras_accel.adapter.backends.tensorflow import fused
 
     ways = []
-    program = fused.GroupRunner._program
 
-    def spy(self, path, spec, batches):
-        if self.kind == "train":
-            ways.append(path)
-        return program(self, path, spec, batches)
+    def spy(program):
+        def spied(self, path, spec, data):
+            if self.kind == "train":
+                ways.append(path)
+            return program(self, path, spec, data)
 
-    monkeypatch.setattr(fused.GroupRunner, "_program", spy)
+        return spied
+
+    for name in ("_program", "_stacked_program"):  # Gathered in the program, or on the host.
+        monkeypatch.setattr(fused.GroupRunner, name, spy(getattr(fused.GroupRunner, name)))
     return ways
 
 
@@ -151,9 +154,7 @@ def test_xla_measured_slower_keeps_the_graph(monkeypatch, ways_run):
     assert "compiled" in ways_run[:5] and ways_run[-6:] == ["plain"] * 6
 
 
-@pytest.mark.parametrize(
-    "case", ["argument", "environment", "steps_per_epoch", "replicas", "eager", "model_asks"]
-)
+@pytest.mark.parametrize("case", ["argument", "environment", "replicas", "eager", "model_asks"])
 def test_where_the_way_is_not_measured(monkeypatch, ways_run, case):
     units = timed_ways(monkeypatch, plain=1e-3, compiled=1e-4)
     x, y = _data()
@@ -164,8 +165,7 @@ def test_where_the_way_is_not_measured(monkeypatch, ways_run, case):
     model = _model(
         acc, run_eagerly=case == "eager", **({"jit_compile": True} if case == "model_asks" else {})
     )
-    kwargs = {"steps_per_epoch": 16} if case == "steps_per_epoch" else {}
-    acc.fit(model, x, y, batch_size=12, epochs=3, verbose=0, **kwargs)
+    acc.fit(model, x, y, batch_size=12, epochs=3, verbose=0)
     assert not units  # Nothing timed:
     if case == "model_asks":  # XLA from its first group, as the model says;
         assert set(ways_run) == {"compiled"} and model.jit_compile is True
@@ -173,6 +173,18 @@ def test_where_the_way_is_not_measured(monkeypatch, ways_run, case):
         assert set(ways_run) == {"plain"}
     else:  # no groups at all: the batches one by one, as Keras's step runs them.
         assert not ways_run
+
+
+def test_steps_that_are_not_whole_passes_are_read_on_the_host_and_measured_too(
+    monkeypatch, ways_run
+):
+    units = timed_ways(monkeypatch, plain=1e-3, compiled=1e-4)
+    x, y = _data()
+    acc = Accelerator(seed=0, devices=1, steps_per_execution=4)
+    model = _model(acc)
+    history = acc.fit(model, x, y, batch_size=12, epochs=6, steps_per_epoch=8, verbose=0)
+    assert units and ways_run[-1] == "compiled"
+    assert len(history.history["loss"]) == 6
 
 
 def test_a_step_xla_cannot_compile_runs_as_the_graph_with_plain_kerass_numbers(

@@ -1,8 +1,8 @@
 """On one TensorFlow device a model compiled with `jit_compile=True` runs each fused group of
 steps as one XLA program (`keras_accel.adapter.backends.tensorflow.fused.GroupRunner`) instead
-of one XLA launch per step, its batches read as one element of a grouped pipeline
-(`keras_accel.data.tfdata.ArrayGroups`) where they are arrays: every number must be the one
-the per-step launches give."""
+of one XLA launch per step: its rows gathered in the program where they are arrays and the
+epochs whole passes (`keras_accel.data.groups.RowGroups`), its batches read on the host and
+stacked otherwise: every number must be the one the per-step launches give."""
 
 import keras
 import numpy as np
@@ -16,24 +16,31 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run(monkeypatch, mode: str, dropout: bool, rows: int, spe, **fit_kwargs):
-    """mode: "pipeline" (arrays read a group at a time), "reads" (the group's batches read
-    one by one into the XLA program) or "launches" (one XLA launch per step)."""
+    """mode: "pipeline" (arrays gathered a group at a time in the program), "reads" (the
+    group's batches read one by one on the host, then run as one XLA program) or
+    "launches" (one XLA launch per step)."""
     from keras_accel.adapter.backends.tensorflow import fused
     from keras_accel.adapter.backends.tensorflow.runtime import Runtime
 
     calls = []
-    takes, run_group = fused.GroupRunner.takes, fused.GroupRunner.run_group
+    run_batches, run_group = fused.GroupRunner.run_batches, fused.GroupRunner.run_group
 
-    def spy_takes(self, spec, n):
-        taken = mode == "reads" and takes(self, spec, n)
-        calls.append(("reads", taken))
-        return taken
+    def spy_run_batches(self, iterator, n):
+        calls.append(("reads", mode == "reads"))
+        if mode == "reads":
+            return run_batches(self, iterator, n)
+        outputs = None
+        for _, batch in zip(range(n), iterator):  # One launch per step: groups of one.
+            outputs = run_batches(self, iter([batch]), 1)
+        if outputs is None:
+            raise StopIteration
+        return outputs
 
     def spy_run_group(self, iterator):
         calls.append(("pipeline", True))
         return run_group(self, iterator)
 
-    monkeypatch.setattr(fused.GroupRunner, "takes", spy_takes)
+    monkeypatch.setattr(fused.GroupRunner, "run_batches", spy_run_batches)
     monkeypatch.setattr(fused.GroupRunner, "run_group", spy_run_group)
     if mode != "pipeline":
         monkeypatch.setattr(Runtime, "grouped", lambda *args, **kwargs: None)

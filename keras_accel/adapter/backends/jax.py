@@ -25,7 +25,7 @@ from keras_accel.data.sources import (
     PyDatasetBatches,
     refuse_preprocessing,
 )
-from keras_accel.utils import keras_internals
+from keras_accel.utils import keras_internals, process
 from keras_accel.utils.devices import parse_device_name
 from keras_accel.utils.printing import print_msg
 
@@ -304,7 +304,9 @@ class Runtime(runtime.Runtime):
             return None
         from keras_accel.adapter.backends.jax_groups import GroupedSteps
 
-        return GroupedSteps(model, kind)
+        # Scanned or a call per step, measured (`GroupedSteps`), on values every process
+        # agrees on where there are several.
+        return GroupedSteps(model, kind, agree=agree_max if process.num_processes() > 1 else None)
 
     def fuses_predictions(self, model) -> bool:
         """Our groups return every slot's predictions in one shape (`GroupedSteps`)."""
@@ -461,6 +463,14 @@ def agree_all(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def agree_max(values: list[float]) -> list[float]:
+    """Every process's elementwise maximum of `values` (the same length everywhere)."""
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.float64))
+    return [float(v) for v in np.max(np.asarray(gathered).reshape(-1, len(values)), axis=0)]
 
 
 def _install_replicated_predictions(patches: Patches, model, distribution) -> None:

@@ -83,13 +83,26 @@ class GroupedSteps:
     the padding. The step is the model's own (with the Accelerator's step wrapper), read at
     trace time."""
 
-    def __init__(self, model, kind: str):
+    NAMES = {
+        "plain": "as one program call per step",
+        "compiled": "as one scanned program per group",
+    }
+    # What a scanned group saves at most, a step: the host's work of one call of the step's
+    # program (its Python, dispatch and state); the step itself is the same program. A
+    # step so long that this cannot be `choice.MARGIN` of it is never scanned on trial.
+    MOST_SAVED_S = 1e-3
+
+    def __init__(self, model, kind: str, agree=None):
         if kind not in KINDS:
             raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
         self.model = model
         self.kind = kind
+        self.agree = agree
         self.length = 0  # The compiled program's group length.
         self._compiled = None
+        self._one = None  # One step per call: the plain way.
+        self._choices = {}
+        self._traced: set[str] = set()  # The ways whose programs were traced.
         # Keras 3.16's JAX epoch iterator yields each group stacked (its super batches).
         self.super_batches = keras_internals.keras_scans_steps()
 
@@ -101,6 +114,15 @@ class GroupedSteps:
             return model.test_step(state, data)
         outputs, non_trainable = model.predict_step(state, data)
         return outputs, (state[0], non_trainable)
+
+    def _layout(self, state):
+        # Under a distribution the state comes back in the layout it went in (the next call
+        # compiles nothing), as Keras's own step does; on one device JAX keeps it where it
+        # is by itself (explicit shardings there would commit the arrays, and the second
+        # call, on committed ones, would compile again).
+        if distribution_lib.distribution() is None:
+            return None
+        return (None, jax.tree.map(_sharding, state))
 
     def _program(self, state):
         from keras_accel.adapter.guard import same_program
@@ -116,15 +138,8 @@ class GroupedSteps:
                 result = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), result)
             return result, state
 
-        # Under a distribution the state comes back in the layout it went in (the next call
-        # compiles nothing), as Keras's own step does; on one device JAX keeps it where it
-        # is by itself (explicit shardings there would commit the arrays, and the second
-        # call, on committed ones, would compile again). It replaces its input: XLA may
-        # reuse the buffers.
-        layout = None
-        if distribution_lib.distribution() is not None:
-            layout = (None, jax.tree.map(_sharding, state))
-        return jax.jit(program, donate_argnums=0, out_shardings=layout)
+        # It replaces its input: XLA may reuse the buffers.
+        return jax.jit(program, donate_argnums=0, out_shardings=self._layout(state))
 
     def __call__(self, state, iterator):
         n = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
@@ -155,21 +170,97 @@ class GroupedSteps:
         for start in range(0, real, self.length):
             count = min(self.length, real - start)
             if batches is not None:
-                stacked = _stack(batches[start : start + count])
-            elif count == real:
-                stacked = group
+                part = batches[start : start + count]
+                stacked = None
             else:
-                stacked = jax.tree.map(lambda a, s=start, c=count: a[s : s + c], group)
-            if count < self.length:  # Empty slots: copies of the last batch, skipped.
-                stacked = jax.tree.map(lambda a: _fill(a, self.length), stacked)
-            valid = np.arange(self.length) < count
-            result, state = self._compiled(state, stacked, valid)
-            results.append(result)
+                part = None
+                stacked = group if count == real else _slots(group, start, count)
+            state = self._run_part(state, stacked, part, count, results)
         if self.kind != "predict" or len(results) == 1:
             return results[-1], state
-        # Predictions of every part, in order: each part's rows (empty slots' rows cut later
-        # with the padding, their row mask 0).
+        # Predictions of every unit, in order: each unit's rows (empty or skipped slots'
+        # rows cut later with the padding, their row mask 0).
         return jax.tree.map(lambda *parts: jnp.concatenate(parts), *results), state
+
+    def _run_part(self, state, stacked, batches, count: int, results: list):
+        """`count` steps of one part of a group (`stacked`, or the list `batches`), each
+        unit the way the `Choice` says: scanned, or a program call per step."""
+        from keras_accel.adapter import choice as choices
+        from keras_accel.adapter.guard import same_program
+
+        choice = self._choice(stacked if batches is None else batches[0], batches is None)
+        begin = 0
+        while begin < count:
+            path, steps = choice.unit(count - begin)
+            timed = choice.timed()
+            started = choices.clock() if timed else 0.0
+            end = begin + steps
+            # The other way's program, traced for the measurement, is no recompile of the
+            # user's: the recompile guard does not count it.
+            planned = bool(self._traced) and path not in self._traced
+            self._traced.add(path)
+            with same_program(self.model) if planned else contextlib.nullcontext():
+                if path == choices.COMPILED:
+                    if stacked is None:
+                        stacked = _stack(batches)
+                    full = stacked
+                    if count < self.length:  # Empty slots: copies of the last batch, skipped.
+                        full = jax.tree.map(lambda a: _fill(a, self.length), stacked)
+                    slots = np.arange(self.length)
+                    valid = (slots >= begin) & (slots < end)
+                    result, state = self._compiled(state, full, valid)
+                    results.append(result)
+                else:
+                    for i in range(begin, end):
+                        batch = batches[i] if batches is not None else _slot(stacked, i)
+                        result, state = self._one_step(state)(state, batch)
+                        results.append(result)
+            if timed:
+                jax.block_until_ready((results[-1], state))
+                choice.record(path, choices.clock() - started, steps)
+            begin = end
+        return state
+
+    def _one_step(self, state):
+        if self._one is None:
+            self._one = jax.jit(self._step, donate_argnums=0, out_shardings=self._layout(state))
+        return self._one
+
+    def _choice(self, example, stacked: bool):
+        """The model's `Choice` for this kind's groups of `example`'s shapes."""
+        from keras_accel.adapter import choice as choices
+        from keras_accel.adapter import choice_cache
+        from keras_accel.utils.printing import print_msg
+
+        leaves = jax.tree.leaves(example)
+        shapes = tuple(
+            (tuple(leaf.shape[1:] if stacked else leaf.shape), str(leaf.dtype)) for leaf in leaves
+        )
+        choice = self._choices.get(shapes)
+        if choice is None:
+            signature = [self.length, [[list(shape), dtype] for shape, dtype in shapes]]
+            details = {"program": "scan", "devices": jax.device_count()}
+            model, kind = self.model, self.kind
+            choice = self._choices[shapes] = choices.Choice(
+                "jax",
+                self.NAMES,
+                model,
+                kind,
+                fingerprint=lambda: choice_cache.fingerprint(model, kind, signature, details),
+                agree=self.agree,
+                announce=print_msg,
+                most_saved_s=self.MOST_SAVED_S,
+                model_decides=False,
+            )
+        return choice
+
+
+def _slots(group, start: int, count: int):
+    return jax.tree.map(lambda a: a[start : start + count], group)
+
+
+def _slot(stacked, index: int):
+    return jax.tree.map(lambda a: a[index], stacked)
 
 
 def _leading(stacked) -> int:

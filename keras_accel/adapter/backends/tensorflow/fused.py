@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from keras_accel.adapter import guard
@@ -84,8 +85,11 @@ def fused_function(model, kind: str):
 
     def function(iterator):
         n = int(model.steps_per_execution)
-        if is_group(iterator.element_spec):  # Read as groups (`Runtime.grouped`).
+        if is_group(getattr(iterator, "element_spec", None)):  # Groups (`Runtime.grouped`).
             return grouped.run_group(iterator)
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            # Batches from the host (`HostBatches`): up to N read, run as one program.
+            return grouped.run_batches(iterator, n)
         if n == 1:  # A multi-worker step (`Runtime.make_function`): no loop, no look-ahead.
             return single(iterator)
         if jit and grouped.takes(iterator.element_spec, n):
@@ -103,7 +107,7 @@ def _with_shape(leaf, shape):
     return leaf
 
 
-# Bytes of the batches a group holds at once on the device (`_XlaGroup`): past this, a
+# Bytes of the batches a group holds at once on the device (`GroupRunner`): past this, a
 # step's own work dwarfs what a launch costs, and N whole batches would take memory.
 _GROUP_BYTES = 64 * 2**20
 
@@ -180,10 +184,7 @@ class GroupRunner:
     def run_group(self, iterator):
         """One group from the host (`GroupedBatches`): its rows gathered from the arrays and
         run as one program (or, in a trial, as a few: `Choice.unit`)."""
-        from keras_accel.adapter import choice as choices
-
         element = next(iterator)
-        count = int(element[GROUP_STEPS])
         arrays = element[GROUP_DATA]
         rows, real = tf.constant(element[GROUP_ROWS]), tf.constant(element[GROUP_REAL])
         spec = (
@@ -191,14 +192,47 @@ class GroupRunner:
             int(rows.shape[0]),
             tuple(_row_spec(t) for t in tf.nest.flatten(arrays)),
         )
+        inputs = [t for t in tf.nest.flatten(arrays) if t is not None] + [rows, real]
+        return self._run_units(
+            spec, int(element[GROUP_STEPS]), lambda path: self._program(path, spec, arrays), inputs
+        )
+
+    def run_batches(self, iterator, n: int):
+        """Up to `n` batches read from a Python iterator (`HostBatches`: steps of a call
+        that are not whole passes), stacked on the host and run as one program; one
+        launch per step where they do not fit one (`fits_one_program`)."""
+        batches = [batch for _, batch in zip(range(n), iterator)]
+        if not batches:
+            raise StopIteration
+        count = len(batches)
+        if not fits_one_program(tf.nest.map_structure(_spec_of, batches[0]), n):
+            # Too large for one program: each batch a group of one, as one launch each.
+            outputs = None
+            for batch in batches:
+                outputs = self.run_batches(iter([batch]), 1)
+            return outputs
+        batches += [batches[-1]] * (n - count)  # Never run: one shape for every group.
+        stacked = tf.nest.map_structure(
+            lambda *leaves: tf.convert_to_tensor(np.stack(leaves)), *batches
+        )
+        flat = tf.nest.flatten(stacked)
+        spec = ("stacked", tuple((tuple(t.shape), t.dtype.name) for t in flat))
+        return self._run_units(
+            spec, count, lambda path: self._stacked_program(path, spec, stacked), flat
+        )
+
+    def _run_units(self, spec, count: int, program_of, inputs: list):
+        """A group's `count` steps, run by the programs `program_of(way)` on `inputs` (and
+        each unit's first and last step), as the model's `Choice` for `spec` says."""
+        from keras_accel.adapter import choice as choices
+
         choice = self._choices.get(spec)
         if choice is None:
             choice = self._choices[spec] = self._choice(spec)
-        inputs = [t for t in tf.nest.flatten(arrays) if t is not None] + [rows, real]
         begin, outputs = 0, None
         while begin < count:
             path, steps = choice.unit(count - begin)
-            program = self._program(path, spec, arrays)
+            program = program_of(path)
             end = begin + steps
             args = [*inputs, self._bound(begin), self._bound(end)]
             if not choice.timed():
@@ -216,6 +250,17 @@ class GroupRunner:
                 choice.record(path, choices.clock() - started, steps)
             begin = end
         return outputs
+
+    def _stacked_program(self, path, spec, stacked):
+        concrete = self._concrete.get((path, spec))
+        if concrete is None:
+            concrete = self.programs[path].get_concrete_function(
+                tf.nest.map_structure(tf.TensorSpec.from_tensor, stacked),
+                tf.TensorSpec((), tf.int32),
+                tf.TensorSpec((), tf.int32),
+            )
+            self._concrete[(path, spec)] = concrete
+        return concrete
 
     def _bound(self, value: int):
         bound = self._bounds.get(value)
@@ -251,14 +296,19 @@ class GroupRunner:
         return concrete
 
     def _choice(self, spec):
-        """The model's `Choice` for groups of `spec` (steps, rows, the arrays' specs)."""
+        """The model's `Choice` for groups of `spec`: (steps, rows, the arrays' specs) of
+        groups gathered in the program, ("stacked", the leaves' shapes and dtypes) of
+        groups stacked on the host."""
         from keras_accel.adapter import choice, choice_cache
         from keras_accel.utils.printing import print_msg
 
         model = self.model_ref()
-        steps, positions, arrays = spec
-        described = [[list(s.shape), s.dtype.name] for s in arrays if s is not None]
-        signature = [steps, positions, described]
+        if spec[0] == "stacked":
+            signature = ["stacked", [[list(shape), dtype] for shape, dtype in spec[1]]]
+        else:
+            steps, positions, arrays = spec
+            described = [[list(s.shape), s.dtype.name] for s in arrays if s is not None]
+            signature = [steps, positions, described]
         details = {"device": _device(model), "program": "group"}
         model_ref = self.model_ref
         return choice.Choice(
@@ -317,6 +367,10 @@ class GroupRunner:
                 return i + 1, one(i)
 
         return tf.while_loop(lambda i, outputs: i < end, body, (begin + 1, outputs))[1]
+
+
+def _spec_of(a):
+    return tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype))
 
 
 def _row_spec(t):
