@@ -91,15 +91,15 @@ class Accelerator:
             synchronize). On JAX the program sees the global batch, so statistics are
             global either way, as in Keras.
         jit_compile: which of two ways with the same numbers runs a model's steps:
-            TensorFlow on one device, a group of steps as one XLA program (True) or as
-            TensorFlow's graph (False); torch, Keras's step compiled as one program
+            TensorFlow on one device, a group of steps as one XLA program (True) or each
+            step as the model compiles it (False: TensorFlow's graph, or an XLA launch per
+            step under the model's `jit_compile=True`); torch, Keras's step compiled as one program
             (True) or eager (False); JAX, a group of steps as one scanned program
             (True) or a program call per step (False; compiled either way). "auto"
             (default) times both on the model itself and keeps the faster, remembered
             per model architecture, input signature and machine
             (`keras_accel.adapter.choice`). `KERAS_ACCEL_JIT_COMPILE=1|0` does the same
-            for "auto", and on TensorFlow and torch a model compiled with
-            `jit_compile=True` keeps it.
+            for "auto", and on torch a model compiled with `jit_compile=True` keeps it.
 
     Example:
         >>> import keras, numpy as np

@@ -16,12 +16,11 @@ like cuDNN's benchmark mode for kernels, the Accelerator times both on the user'
    (`TRIAL_AFTER_S`, per backend about one compilation's cost: a compilation that saves
    less than that cannot pay for itself; where the compiled way can save only a known
    amount a step, `most_saved_s`, steps too long for that to matter are not tried), a
-   trial: the compiled way's first unit (its
-   compilation, timed apart), then units of each way in turn until each has its share of
-   timed units. Every unit of the trial trains: nothing is run twice. Where a plain step
-   is slow, the compiled way's first units run one step each, and a compiled way more than
-   `SLOWER` times as slow is given up after one timed step (bounding what the trial costs
-   where compiling is a bad idea).
+   trial: the compiled way's first unit (its compilation, timed apart), then units of each
+   way in turn until each has its share of timed units. Every unit of the trial trains:
+   nothing is run twice. Where a plain step is slow, the compiled way's first units run one
+   step each, and a compiled way more than `SLOWER` times as slow is given up after one
+   timed step (bounding what the trial costs where compiling is a bad idea).
 3. The way with the lower median time per step is kept (the compiled way only where it is
    faster by `MARGIN`), and one line says which, with both times and the compilation's.
 
@@ -32,9 +31,11 @@ the next run, or a tuner's next trial of the same architecture, starts on the fa
 
 What forces a way instead, first match wins: `run_eagerly=True` (eager, as in Keras);
 `Accelerator(jit_compile=True | False)`; `KERAS_ACCEL_JIT_COMPILE=1 | 0` (`auto`, the
-default, measures); the model's own `compile(jit_compile=True)`. A model compiled with
-`jit_compile=False` is measured like one compiled with Keras's default "auto": Keras
-resolves "auto" to False on CPUs and on torch, and records both alike.
+default, measures); on torch, the model's own `compile(jit_compile=True)` (on TensorFlow
+and JAX the plain way runs the step as the model compiles it, so the model's setting
+forces nothing: `model_decides`). A model compiled with `jit_compile=False` is measured
+like one compiled with Keras's default "auto": Keras resolves "auto" to False on CPUs and
+on torch, and records both alike.
 """
 
 from __future__ import annotations

@@ -93,7 +93,11 @@ def fused_function(model, kind: str):
         if n == 1:  # A multi-worker step (`Runtime.make_function`): no loop, no look-ahead.
             return single(iterator)
         if jit and grouped.takes(iterator.element_spec, n):
-            return grouped(iterator, tf.constant(n, tf.int32))
+            # One XLA program for the group's steps, or one launch per step (`steps`):
+            # whichever was measured faster.
+            return grouped.run_iterator(
+                iterator, n, lambda: steps(iterator, tf.constant(n, tf.int32))
+            )
         return steps(iterator, tf.constant(n, tf.int32))
 
     return function
@@ -145,12 +149,16 @@ class GroupRunner:
     last group's missing ones are copies of its last batch, never run), and it runs the
     steps `begin` to `end` of them: one program per N, whatever part of a group it runs.
 
-    Two programs run the same steps with the same numbers up to float rounding: with XLA
-    and as TensorFlow's graph. Which one a host group runs is the model's `Choice`
-    (`keras_accel.adapter.choice`): forced by the model's `jit_compile=True`, the
-    Accelerator's or the environment's setting, or measured on the model's own steps
-    (Keras's "auto" leaves XLA off on CPUs, where XLA ran a small text classifier 5 times
-    as fast as the graph, and the seed CNN's convolutions 74 times as slowly).
+    Two programs run the same steps with the same numbers up to float rounding: the plain
+    way, the step as the model compiles it (TensorFlow's graph, or one XLA launch per step
+    for a model compiled with `jit_compile=True`, as Keras runs them) in a graph loop; and
+    the compiled way, the whole group as one XLA program. Which one a host group runs is
+    the model's `Choice` (`keras_accel.adapter.choice`): forced by the Accelerator's or the
+    environment's setting, or measured on the model's own steps. Keras's "auto" leaves XLA
+    off on CPUs, where XLA ran a small text classifier 5 times as fast as the graph; and
+    XLA:CPU runs a convolution's gradient inside its while loop about 100 times as slowly
+    as in a launch of its own, so that for a convolutional model the group program loses
+    to one launch per step even under `jit_compile=True`.
 
     Groups come either from the host (`run_group`: in-memory arrays, a group gathered per
     call, `Runtime.grouped`), or, for a model compiled with `jit_compile=True` reading a
@@ -159,16 +167,21 @@ class GroupRunner:
     to the program or more than `_GROUP_BYTES` in a group, the steps run one launch each,
     as before."""
 
-    NAMES = {"plain": "as TensorFlow's graph", "compiled": "with XLA"}
-
     def __init__(self, model, kind, step, strategy, reduce):
         from keras_accel.adapter import choice
 
         self.model_ref = weakref.ref(model) if model is not None else lambda: None
         self.kind, self.step, self.strategy, self.reduce = kind, step, strategy, reduce
+        # The plain way runs each step as the model compiles it: with XLA, a launch each.
+        self.launches = bool(getattr(model, "jit_compile", False))
+        self._xla_step = None
+        if self.launches:
+            self._xla_step = tf.function(self._one_step, jit_compile=True, reduce_retracing=True)
+        plain = "as one XLA launch per step" if self.launches else "as TensorFlow's graph"
+        self.names = {choice.PLAIN: plain, choice.COMPILED: "as one XLA program per group"}
         self.programs = {
             choice.COMPILED: tf.function(self._run, jit_compile=True, reduce_retracing=True),
-            choice.PLAIN: tf.function(self._run, reduce_retracing=True),
+            choice.PLAIN: tf.function(self._run_plain, reduce_retracing=True),
         }
         self._concrete = {}
         self._choices = {}
@@ -178,8 +191,27 @@ class GroupRunner:
     def takes(self, spec, n: int) -> bool:
         return self.strategy.num_replicas_in_sync == 1 and fits_one_program(spec, n)
 
-    def __call__(self, iterator, n):
-        return self.function(iterator, n)
+    def run_iterator(self, iterator, n: int, plain):
+        """The next group of a data set's iterator (a model compiled with XLA): read into
+        one XLA program, or run by `plain()` (a launch per step), as the `Choice` says.
+        Either reads the group from the iterator; a unit is the whole group."""
+        from keras_accel.adapter import choice as choices
+
+        spec = ("iterator", repr(iterator.element_spec), n)
+        choice = self._choices.get(spec)
+        if choice is None:
+            choice = self._choices[spec] = self._choice(spec)
+        path, _ = choice.unit(n)
+        timed = choice.timed()
+        started = choices.clock() if timed else 0.0
+        if path == choices.COMPILED:
+            outputs = self.function(iterator, tf.constant(n, tf.int32))
+        else:
+            outputs = plain()
+        if timed:
+            _wait(outputs)
+            choice.record(path, choices.clock() - started, n)
+        return outputs
 
     def run_group(self, iterator):
         """One group from the host (`GroupedBatches`): its rows gathered from the arrays and
@@ -303,7 +335,9 @@ class GroupRunner:
         from keras_accel.utils.printing import print_msg
 
         model = self.model_ref()
-        if spec[0] == "stacked":
+        if spec[0] == "iterator":
+            signature = list(spec)
+        elif spec[0] == "stacked":
             signature = ["stacked", [[list(shape), dtype] for shape, dtype in spec[1]]]
         else:
             steps, positions, arrays = spec
@@ -313,7 +347,7 @@ class GroupRunner:
         model_ref = self.model_ref
         return choice.Choice(
             "tensorflow",
-            self.NAMES,
+            self.names,
             model,
             self.kind,
             fingerprint=lambda: choice_cache.fingerprint(
@@ -323,6 +357,9 @@ class GroupRunner:
             refuses=lambda: None
             if supports_xla(model_ref())
             else "Keras says the model does not support XLA",
+            # The plain way is the step as the model compiles it, XLA or not: the model's
+            # own `jit_compile` forces nothing here.
+            model_decides=False,
         )
 
     def _group(self, iterator, n):
@@ -352,13 +389,20 @@ class GroupRunner:
         stacked = tf.nest.pack_sequence_as(first, [a.stack() for a in arrays])
         return self.programs["compiled"](stacked, tf.constant(0), count)
 
-    def _run(self, stacked, begin, end):
+    def _one_step(self, data):
+        outputs = self.strategy.run(self.step, args=(data,))
+        return self.reduce(outputs, self.strategy, reduction="auto")
+
+    def _run_plain(self, stacked, begin, end):
+        # A model compiled with XLA launches its step's program at each step, as Keras does.
+        return self._run(stacked, begin, end, self._xla_step or self._one_step)
+
+    def _run(self, stacked, begin, end, step=None):
         model = self.model_ref()
+        step = step or self._one_step  # The XLA program's: inlined.
 
         def one(i):
-            data = tf.nest.map_structure(lambda t: t[i], stacked)
-            outputs = self.strategy.run(self.step, args=(data,))
-            return self.reduce(outputs, self.strategy, reduction="auto")
+            return step(tf.nest.map_structure(lambda t: t[i], stacked))
 
         outputs = one(begin)
 
