@@ -232,13 +232,14 @@ class GroupedSteps:
         from keras_accel.adapter import choice_cache
         from keras_accel.utils.printing import print_msg
 
-        leaves = jax.tree.leaves(example)
+        # The key: shapes and dtype objects (a dtype's name costs more than the lookup).
         shapes = tuple(
-            (tuple(leaf.shape[1:] if stacked else leaf.shape), str(leaf.dtype)) for leaf in leaves
+            (leaf.shape[1:] if stacked else leaf.shape, leaf.dtype)
+            for leaf in jax.tree.leaves(example)
         )
         choice = self._choices.get(shapes)
         if choice is None:
-            signature = [self.length, [[list(shape), dtype] for shape, dtype in shapes]]
+            signature = [self.length, [[list(shape), str(dtype)] for shape, dtype in shapes]]
             details = {"program": "scan", "devices": jax.device_count()}
             model, kind = self.model, self.kind
             choice = self._choices[shapes] = choices.Choice(
