@@ -39,17 +39,17 @@ training=True)` under a `tf.GradientTape` inside the `tf.function`, torch the Ke
 stepping, the optimizer) is written by hand; no Keras `fit` in it. A contestant that fails
 (e.g. `torch.compile` on some model) is left out with its reason under the table.
 
-The CNN cases leave out, unless `--cnn-xla`, the contestants that run their steps in an XLA
-while loop by choice: JAX's scan and TensorFlow's XLA hand loop, and TensorFlow's
-`acc.fit(jit_compile=True)` (its group of steps is one XLA program; Keras's own
-`fit(steps_per_execution=32, jit_compile=True)` launches one XLA program per step and runs).
-XLA:CPU (JAX 0.10.2, TF 2.21) runs a convolution's kernel gradient inside a while loop about 100
-times as slowly as outside one (one Conv2D 96 -> 256 at batch 32 on 16x16, 4 steps: 31 s in a
-`lax.scan` against 0.33 s unrolled; 30 s in a TF XLA while loop against 0.31 s as 4 XLA calls);
-the seed CNN's epoch at batch 32 took 135 s in JAX's scan against 2.6 s for Keras's jitted
-step. A contestant whose steady call (not its first in the mode, or a long fit's second
-epoch) took over `--max-call-s` (60 s) is not called again: that call is its last figure,
-said so under the table.
+The CNN cases leave out, unless `--cnn-xla`, the hand loops that run their steps in an XLA
+while loop: JAX's scan and TensorFlow's XLA hand loop. XLA:CPU (JAX 0.10.2, TF 2.21) runs a
+convolution's kernel gradient inside a while loop about 100 times as slowly as outside one (one
+Conv2D 96 -> 256 at batch 32 on 16x16, 4 steps: 31 s in a `lax.scan` against 0.33 s unrolled;
+30 s in a TF XLA while loop against 0.31 s as 4 XLA calls); the seed CNN's epoch at batch 32
+took 135 s in JAX's scan against 2.6 s for Keras's jitted step. The Keras contestants run:
+Keras's `fit(steps_per_execution=32, jit_compile=True)` launches one XLA program per step, and
+`acc.fit` measures a group as one program (an XLA while loop, a scan) against a call per step.
+A contestant whose steady call (not its first in the mode, or a long fit's second epoch) took
+over `--max-call-s` (60 s) is not called again: that call is its last figure, said so under
+the table.
 
 The same model everywhere in a case: every contestant, hand loop or Keras, starts from the same
 weights (one Keras model's initial weights, copied), and computes Keras's categorical
@@ -919,10 +919,12 @@ def measure(args) -> dict:
         # Keras contestants: new models per mode, every one from the same weights.
         keras_runs = {ACC: (acc.fit, {})}
         jit = {"jit_compile": True}
-        if backend == "tensorflow" and xla:
+        if backend == "tensorflow":
+            # The Accelerator measures its group as one XLA program against one XLA launch
+            # per step (as Keras runs a jit_compile=True model): the CNN runs it too.
             keras_runs[ACC + JIT] = (acc.fit, jit)
         if args.dispatch and mode == "long":
-            compiled = jit if backend == "tensorflow" and xla else {}
+            compiled = jit if backend == "tensorflow" else {}
             keras_runs[DISPATCH] = (_with_keras_callback_list(acc.fit), compiled)
         keras_runs[PLAIN[0]] = (plain_fit, {})
         keras_runs[PLAIN[1]] = (plain_fit, {"steps_per_execution": 32})
@@ -932,8 +934,6 @@ def measure(args) -> dict:
             keras_runs[PLAIN[1] + JIT] = (plain_fit, {"steps_per_execution": 32, **jit})
         runs = dict(hands)
         left_out = dict(hand_left_out)
-        if backend == "tensorflow" and not xla:
-            left_out[ACC + JIT] = CNN_XLA  # Its group is one XLA program, a while loop.
         for name, (fit, compile_kwargs) in keras_runs.items():
             runs[name] = keras_run(fit, build(**compile_kwargs), mode)
 
@@ -1100,7 +1100,8 @@ def main() -> int:
     parser.add_argument(
         "--cnn-xla",
         action="store_true",
-        help="run TensorFlow's XLA contestants on the CNN cases too (minutes a step on a CPU)",
+        help="run JAX's scan and TensorFlow's XLA hand loops on the CNN cases too (XLA:CPU's "
+        "convolution gradients in a while loop: minutes an epoch)",
     )
     parser.add_argument(
         "--max-call-s",
