@@ -407,7 +407,9 @@ class Choice:
         self.decision = decision
         self.trial = False
         if store and decision.how in ("measured", "failed"):
-            choice_cache.remember(self.fingerprint, dataclasses.asdict(decision))
+            # What it was measured on, for a reader of the file (not part of the key).
+            about = {"model": self.model_name, "kind": self.kind, "backend": self.backend}
+            choice_cache.remember(self.fingerprint, {**dataclasses.asdict(decision), **about})
         if self.announce is not None and self._call is not None and self._call.verbose:
             self.announce(note(self.model_name, self.kind, self.names, decision))
 

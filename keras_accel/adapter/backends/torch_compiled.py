@@ -85,6 +85,7 @@ class CompiledStep:
         self.kind = kind
         self.eager = eager
         self.agree = agree
+        self._last = None  # (signature, Choice) of the last step.
         self.eager_steps = 0
         self.program = None
         self.no_gradient: tuple[bool, ...] | None = None
@@ -119,11 +120,14 @@ class CompiledStep:
         return result
 
     def _choice(self, model, data):
+        # The key: shapes and dtype objects, asked at every step (names only for a new one).
         signature = tuple(
-            (tuple(leaf.shape), str(leaf.dtype))
+            (tuple(leaf.shape), leaf.dtype)
             for leaf in keras.tree.flatten(data)
             if hasattr(leaf, "shape")
         )
+        if self._last is not None and self._last[0] == signature:
+            return self._last[1]
         kept = _CHOICES.setdefault(model, {})
         choice = kept.get((self.kind, signature))
         if choice is None:
@@ -138,7 +142,7 @@ class CompiledStep:
                 "threads": _threads(),
                 "processes": process.num_processes(),
             }
-            described = [[list(shape), dtype] for shape, dtype in signature]
+            described = [[list(shape), str(dtype)] for shape, dtype in signature]
             model_ref, kind = self.model_ref, self.kind
             choice = kept[(self.kind, signature)] = choices.Choice(
                 "torch",
@@ -149,6 +153,7 @@ class CompiledStep:
                 agree=self.agree,
                 announce=print_msg,
             )
+        self._last = (signature, choice)
         return choice
 
     def _compiled(self, model, data):

@@ -402,7 +402,9 @@ class GroupRunner:
         step = step or self._one_step  # The XLA program's: inlined.
 
         def one(i):
-            return step(tf.nest.map_structure(lambda t: t[i], stacked))
+            # A gather, not `t[i]`: XLA takes a strided slice's start as a constant, and
+            # compiled the program again for every first step a unit began at.
+            return step(tf.nest.map_structure(lambda t: tf.gather(t, i), stacked))
 
         outputs = one(begin)
 
