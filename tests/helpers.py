@@ -193,7 +193,8 @@ def timed_ways(monkeypatch, plain: float, compiled: float, compile_s: float = 0.
     whatever it really took, starting at once: what a test of the choice needs to decide
     the same way on a loaded machine. Decisions are kept in no file, or in one under
     `tmp_path`; none from an earlier test is remembered. Returns the list of every
-    `(way, steps)` unit recorded."""
+    `(way, steps)` unit recorded. The trial needs no time at stake
+    (`choice.TRIAL_RISK_STEPS`)."""
     from keras_accel.adapter import choice, choice_cache
 
     units = []
@@ -207,6 +208,7 @@ def timed_ways(monkeypatch, plain: float, compiled: float, compile_s: float = 0.
 
     monkeypatch.setattr(choice.Choice, "record", fake)
     monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_AFTER", "0")
+    monkeypatch.setattr(choice, "TRIAL_RISK_STEPS", 0)  # These small fits have little at stake.
     if tmp_path is None:
         monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_CACHE", "0")
     else:

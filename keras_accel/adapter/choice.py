@@ -69,6 +69,10 @@ MARGIN = 0.05
 ONE_STEP_UNITS_FROM_S = 0.005
 # A compiled step over this many times the plain one ends the trial at once.
 SLOWER = 2.0
+# A trial also needs this many plain steps' time at stake (spent, plus the call's projected
+# rest): its worst case, a compiled way about 100 times as slow for the one or two steps
+# that tell (XLA:CPU's convolution gradients inside a loop), must be small against it.
+TRIAL_RISK_STEPS = 200
 # Over several processes every process must take the same way at the same step (their
 # steps hold collectives): decisions are made on values agreed at every this-many units.
 AGREE_EVERY = 16
@@ -237,6 +241,10 @@ class Choice:
             without a trial.
         model_decides: whether the model's `jit_compile=True` forces the compiled way
             (`requested`).
+        slow_units: where plain steps are slow, the steps of the compiled way's first unit
+            (its compilation) and of its first timed one: (1, 2) where a program's first
+            step runs apart from the rest (TensorFlow's group: the step in the loop is the
+            one that tells).
         agree: over several processes, `agree(values) -> values` giving every process the
             elementwise maximum of a list of floats; None in one process.
         announce: `announce(message)` prints the decision's note.
@@ -254,6 +262,7 @@ class Choice:
         refuses: Callable[[], str | None] | None = None,
         most_saved_s: float | None = None,
         model_decides: bool = True,
+        slow_units: tuple[int, int] = (1, 1),
     ):
         self.backend = backend
         self.names = names
@@ -264,6 +273,7 @@ class Choice:
         self.refuses = refuses
         self.most_saved_s = most_saved_s
         self.model_decides = model_decides
+        self.slow_units = slow_units
         self.agree = agree
         self.announce = announce
         self.decision: Decision | None = None
@@ -297,7 +307,9 @@ class Choice:
         compiled, plain = self._samples[COMPILED], self._samples[PLAIN]
         path = COMPILED if self._first[COMPILED] or len(compiled) <= len(plain) else PLAIN
         if path == COMPILED and len(compiled) < 1 and self._plain_step() >= ONE_STEP_UNITS_FROM_S:
-            return COMPILED, 1  # Its compilation, then one step to time.
+            # Its compilation on the fewest steps, then the fewest that tell its pace.
+            first, timed = self.slow_units
+            return COMPILED, min(available, first if self._first[COMPILED] else timed)
         return path, available
 
     def timed(self) -> bool:
@@ -379,10 +391,11 @@ class Choice:
         return self.most_saved_s < MARGIN * step
 
     def _worth_a_trial(self, call: Call) -> bool:
-        spent = self._plain_spent + self._plain_step() * call.left()
+        step = self._plain_step()
+        spent = self._plain_spent + step * call.left()
         if self.agree is not None:
-            (spent,) = self.agree([spent])
-        return spent >= trial_after_s(self.backend)
+            spent, step = self.agree([spent, step])
+        return spent >= max(trial_after_s(self.backend), TRIAL_RISK_STEPS * step)
 
     def _maybe_decide(self) -> None:
         plain, compiled = self._samples[PLAIN], self._samples[COMPILED]

@@ -97,13 +97,31 @@ def test_a_tie_keeps_the_plain_way_and_a_much_slower_compiled_way_is_given_up_af
     assert tie.decision.path == choice.PLAIN  # Within MARGIN: no compiler needed.
     # The seed CNN's convolutions took 74 times as long a step with XLA: with plain steps
     # this slow, the compiled way runs one step to compile and one timed, then stops.
+    times = {choice.PLAIN: 0.45, choice.COMPILED: 33.0}
     slow = choice.Choice("tensorflow", NAMES, model, "train")
-    taken = _drive(slow, model, {choice.PLAIN: 0.45, choice.COMPILED: 33.0}, group=4, units=6)
+    taken = _drive(slow, model, times, group=4, units=6, call_steps=10**4)
     compiled = [unit for unit in taken if unit[0] == choice.COMPILED]
     assert compiled == [(choice.COMPILED, 1), (choice.COMPILED, 1)]
     assert slow.decision.path == choice.PLAIN and slow.decision.compiled_step_s == 33.0
     after = taken.index((choice.COMPILED, 1)) + 2
     assert taken[after] == (choice.PLAIN, 2)  # The rest of that group, the plain way.
+    # A program whose first step runs apart from its loop times two steps (one in the loop).
+    peeled = choice.Choice("tensorflow", NAMES, model, "train", slow_units=(1, 2))
+    taken = _drive(peeled, model, times, group=4, units=6, call_steps=10**4)
+    assert [u for u in taken if u[0] == choice.COMPILED] == [("compiled", 1), ("compiled", 2)]
+
+
+def test_slow_steps_need_a_long_run_at_stake_before_a_trial():
+    # Its worst case (a compiled way 100 times as slow for two steps) must be small against
+    # the time at stake: 200 plain steps' worth, here 90 s, not the 1 s of small steps.
+    model = Model()
+    times = {choice.PLAIN: 0.45, choice.COMPILED: 0.3}
+    short = choice.Choice("tensorflow", NAMES, model, "train")
+    taken = _drive(short, model, times, group=4, units=20, call_steps=80)  # 36 s in all.
+    assert {path for path, _ in taken} == {choice.PLAIN} and short.decision is None
+    long = choice.Choice("tensorflow", NAMES, model, "train")
+    taken = _drive(long, model, times, group=4, units=20, call_steps=400)  # 180 s ahead.
+    assert (choice.COMPILED, 1) in taken
 
 
 def test_the_decision_is_said_once_with_both_times(capsys):
