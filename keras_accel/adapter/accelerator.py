@@ -26,7 +26,7 @@ from keras_accel.adapter.steps import (
     overrides_any_step,
 )
 from keras_accel.adapter.strategies import check_strategy_name, resolve
-from keras_accel.data import sources
+from keras_accel.data import on_disk, sources
 from keras_accel.data.batching import REMAINDER_POLICIES, flatten, map_structure, unpack
 from keras_accel.utils import cluster, keras_internals, process
 from keras_accel.utils.checks import check_positive_int
@@ -1115,10 +1115,14 @@ def _split(x, y, sample_weight, fraction: float, kind: str):
         )
     total = next(int(np.shape(a)[0]) for a in flatten(x) if a is not None)
     cut = int(total * (1.0 - fraction))  # Keras takes the *last* fraction, before shuffling.
-    head = lambda a: a[:cut]  # noqa: E731
-    tail = lambda a: a[cut:]  # noqa: E731
-    sw = None if sample_weight is None else np.asarray(sample_weight)
+    # Views, read with the batches: numpy slices (of a memory map too), and row ranges of
+    # an array-like on disk, which slicing would read whole (`on_disk.rows_of`).
+    head = lambda a: on_disk.rows_of(a, 0, cut)  # noqa: E731
+    tail = lambda a: on_disk.rows_of(a, cut, total)  # noqa: E731
+    sw = sample_weight
+    if sw is not None and not on_disk.on_disk(sw):
+        sw = np.asarray(sw)
     return (
-        (map_structure(head, x), map_structure(head, y), None if sw is None else sw[:cut]),
-        (map_structure(tail, x), map_structure(tail, y), None if sw is None else sw[cut:]),
+        (map_structure(head, x), map_structure(head, y), None if sw is None else head(sw)),
+        (map_structure(tail, x), map_structure(tail, y), None if sw is None else tail(sw)),
     )

@@ -19,8 +19,9 @@ class StaticBatchDataset(keras.utils.PyDataset):
 
     `rows` (a slice of each global batch) serves only this process's rows of a multi-process
     run: every process computes the same global batch (same order, same padding), then keeps
-    the rows that its devices hold. A user's PyDataset without a length gives one without a
-    length (`num_batches` None: Keras's infinite PyDataset, ended by `steps_per_epoch`).
+    the rows that its devices hold (batches of arrays, `reads_rows`, read only those). A
+    user's PyDataset without a length gives one without a length (`num_batches` None:
+    Keras's infinite PyDataset, ended by `steps_per_epoch`).
     """
 
     def __init__(self, batches, carry_mask: bool = True, workers: int = 1, rows=None):
@@ -41,6 +42,11 @@ class StaticBatchDataset(keras.utils.PyDataset):
         return len(self.batches)
 
     def __getitem__(self, index: int):
+        if self.rows is not None and getattr(self.batches, "reads_rows", False):
+            # Arrays: only this process's rows are read (`ArrayBatches.batch`), not the
+            # other processes' too.
+            batch = self.batches.batch(index, scale=not self.carry_mask, rows=self.rows)
+            return element(batch, self.carry_mask, None)
         batch = self.batches.batch(index, scale=not self.carry_mask)
         return element(batch, self.carry_mask, self.rows, self.batches.plan.static_rows)
 

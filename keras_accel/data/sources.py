@@ -1,7 +1,8 @@
 """The inputs an Accelerator accepts, each turned into a sequence of static-size padded batches.
 
-- numpy arrays (and tuples, lists or dicts of them; strings included): batched, shuffled and
-  padded here, one batch at a time, so the data set is never copied whole;
+- numpy arrays (and tuples, lists or dicts of them; strings included), memory maps and
+  array-likes on disk (`keras_accel.data.on_disk`): batched, shuffled and padded here, one
+  batch at a time, so the data set is never copied whole;
 - `keras.utils.PyDataset` (with or without a length), Python generators and Grain data
   sets: read as they come, each batch padded to the size of the first batch (rounded up to
   a multiple of the replica count; a larger batch to a bucket, `batching.bucket_rows`),
@@ -25,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from keras_accel.data import on_disk
 from keras_accel.data.batching import (
     BatchPlan,
     StreamPlan,
     bucket_rows,
     check_same_length,
+    flatten,
     map_structure,
     num_rows,
     pad_batch,
@@ -38,7 +41,7 @@ from keras_accel.data.batching import (
 
 SUPPORTED_INPUTS = (
     "numpy arrays (or tuples, lists, dicts of them; numbers or strings; sparse ones, "
-    "densified), "
+    "densified; np.memmap and array-likes on disk, such as h5py datasets, read by rows), "
     "keras.utils.PyDataset, tf.data.Dataset, a Python generator, a Grain data set (JAX), "
     "a torch DataLoader"
 )
@@ -90,8 +93,10 @@ def is_array_input(value: Any) -> bool:
 
 def to_numpy(structure: Any, name: str) -> Any:
     """Every leaf as a numpy array (tensors of any backend, nested lists of numbers or
-    strings). A list of arrays is a list of inputs; a list of plain values is one array, as
-    Keras reads them."""
+    strings), but an array-like on disk (an h5py dataset, `on_disk.is_array_like`), which
+    stays as it is and is read a batch of rows at a time (`np.asarray` would read it all).
+    A list of arrays is a list of inputs; a list of plain values is one array, as Keras
+    reads them."""
     if structure is None:
         return None
     if isinstance(structure, dict):
@@ -121,6 +126,8 @@ def to_numpy(structure: Any, name: str) -> Any:
         return structure.detach().cpu().numpy()  # A torch tensor (a DataLoader's batch).
     if hasattr(structure, "numpy") and callable(structure.numpy):  # tf.Tensor, strings too
         return np.asarray(structure.numpy())
+    if on_disk.is_array_like(structure):
+        return structure
     if hasattr(structure, "__array__") or isinstance(structure, (float, int, str, bytes)):
         return np.asarray(structure)
     raise TypeError(
@@ -166,12 +173,17 @@ def _is_leaf_array(item: Any) -> bool:
     return isinstance(item, dict) or hasattr(item, "shape") or hasattr(item, "numpy")
 
 
-def standardize_sample_weight(sample_weight: Any) -> np.ndarray | None:
-    """A float32 weight array of one weight per row (`(N,)`, `(N, 1)` or per timestep)."""
+def standardize_sample_weight(sample_weight: Any) -> Any:
+    """A float32 weight array of one weight per row (`(N,)`, `(N, 1)` or per timestep).
+    Weights on disk (`on_disk.on_disk`) stay there, in their own dtype: they are read, and
+    made float32, with each batch."""
     if sample_weight is None:
         return None
-    weights = np.asarray(sample_weight, dtype="float32")
-    if weights.ndim == 0:
+    if on_disk.on_disk(sample_weight):
+        weights = sample_weight
+    else:
+        weights = np.asarray(sample_weight, dtype="float32")
+    if len(weights.shape) == 0:
         raise ValueError(
             "`sample_weight` must hold one weight per row: an array of shape (N,) or (N, 1) "
             f"(or (N, timesteps) for per-timestep losses). Received: a scalar {weights!r}."
@@ -235,7 +247,11 @@ def _class_weighted(batch: tuple, class_weight: dict | None, where: str) -> tupl
 
 
 class ArrayBatches:
-    """Static-size batches over in-memory arrays, gathered one batch at a time."""
+    """Static-size batches over arrays, gathered one batch at a time: in-memory numpy
+    arrays, and memory maps and array-likes on disk (`keras_accel.data.on_disk`), read
+    from the disk a batch of rows at a time (`on_disk`: whether any array is)."""
+
+    reads_rows = True  # `batch(rows=...)` reads one process's rows alone.
 
     def __init__(
         self,
@@ -261,8 +277,20 @@ class ArrayBatches:
                     "Pass either `class_weight` or `sample_weight`, not both. "
                     f"Received: class_weight={class_weight} and a sample_weight array."
                 )
-            sample_weight = class_weights_to_sample_weights(y, class_weight)
+            if on_disk.on_disk(y):
+                # Targets on disk: each batch's weights from its own targets, when it is read.
+                check_class_weight(class_weight)
+                sample_weight = on_disk.MappedRows(
+                    y, lambda rows: class_weights_to_sample_weights(rows, class_weight), "float32"
+                )
+            else:
+                sample_weight = class_weights_to_sample_weights(y, class_weight)
         self.x, self.y, self.sample_weight = x, y, sample_weight
+        # Whether any array is a memory map or an array-like on disk: then every batch is
+        # read from the host, never the arrays whole (`keras_accel.data.on_disk`).
+        self.on_disk = any(
+            on_disk.on_disk(a) for a in flatten((x, y, sample_weight)) if a is not None
+        )
         self._made_targets = self._made_weights = False
         self.plan = BatchPlan(
             num_samples=num_samples,
@@ -327,46 +355,56 @@ class ArrayBatches:
         self.epoch += 1
 
     def batch(
-        self, index: int, epoch: int | None = None, scale: bool = False
+        self,
+        index: int,
+        epoch: int | None = None,
+        scale: bool = False,
+        rows: slice | None = None,
     ) -> tuple[Any, Any, Any, Any]:
         """Padded batch `index` of `epoch` (default: the current `self.epoch`):
         `(x, y, sample_weight, row_mask)`. `scale=True` weights it for a plain `model.fit`
-        (`BatchPlan.weight_scales`)."""
+        (`BatchPlan.weight_scales`). `rows` (a slice of the padded batch's positions): only
+        those rows of it, read without the others (one process's share of a global batch),
+        the same rows, weights and mask as the whole batch's `[rows]`."""
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range for {len(self)} batches")
         plan = self.plan
+        real = int(plan.real_rows[index])
+        first, stop, size = 0, real, plan.static_rows
+        if rows is not None:
+            first, stop, size = min(rows.start, real), min(rows.stop, real), rows.stop - rows.start
         start = index * plan.batch_size
-        order = self.epoch_indices(self.epoch if epoch is None else epoch)
-        indices = order[start : start + int(plan.real_rows[index])]
-        # Contiguous ranges are sliced, not fancy-indexed: a view instead of a copy.
-        if not self.shuffle:
-            take = lambda a: a[indices[0] : indices[-1] + 1]  # noqa: E731
-        else:
-            take = lambda a: np.take(a, indices, axis=0)  # noqa: E731
+        take = self._reader(self.epoch if epoch is None else epoch, start + first, start + stop)
         sw = None if self.sample_weight is None else take(self.sample_weight)
         factor = plan.weight_scales[index] if scale else 1.0
-        return pad_batch(
-            map_structure(take, self.x), map_structure(take, self.y), sw, plan.static_rows, factor
-        )
+        return pad_batch(map_structure(take, self.x), map_structure(take, self.y), sw, size, factor)
+
+    def _reader(self, epoch: int, begin: int, end: int):
+        """`take(array)` -> the rows at places `begin` to `end - 1` of `epoch`'s order."""
+        if not self.shuffle:
+            # Contiguous rows are sliced, not gathered: a view of an in-memory array, not a
+            # copy (`on_disk.read_range`).
+            return lambda a: on_disk.read_range(a, begin, end)
+        indices = self.epoch_indices(epoch)[begin:end]
+        return lambda a: on_disk.read_rows(a, indices)
 
     def group(self, first: int, count: int) -> tuple[Any, Any, Any, Any]:
         """Padded batches `first` to `first + count - 1` of the current epoch stacked on a
         new first axis: the arrays `np.stack` of their `batch()` gives, gathered in one
         `take` per array where every one of them is full (no padding), as an epoch's
-        batches are but for the last."""
+        batches are but for the last, else written batch by batch into the stacked arrays
+        (never a list of the batches beside them)."""
         plan = self.plan
         real = plan.real_rows[first : first + count]
         if not (len(real) == count and (real == plan.static_rows).all()):
-            return _stacked([self.batch(index) for index in range(first, first + count)])
+            return _stacked((self.batch(index) for index in range(first, first + count)), count)
         rows = plan.batch_size  # Full batches: as many rows as the static size.
-        start = first * rows
-        indices = self.epoch_indices(self.epoch)[start : start + count * rows]
+        read = self._reader(self.epoch, first * rows, (first + count) * rows)
 
         def take(a):
-            if self.shuffle:
-                a = np.take(a, indices, axis=0)
-            else:  # Contiguous rows: copied, as stacking the batches copied them.
-                a = np.array(a[indices[0] : indices[-1] + 1])
+            a = read(a)
+            if not a.flags.owndata:  # A view of the arrays: copied, as stacking copied it.
+                a = np.array(a)
             return a.reshape((count, rows) + a.shape[1:])
 
         weights = (
@@ -378,16 +416,40 @@ class ArrayBatches:
         return map_structure(take, self.x), map_structure(take, self.y), weights, mask
 
 
-def _stacked(batches: list) -> Any:
-    """Batches of one structure as that structure, each array the batches' arrays stacked."""
-    first = batches[0]
-    if first is None:
+def _stacked(batches, count: int) -> Any:
+    """`count` batches of one structure (an iterable) as that structure, each array the
+    batches' arrays stacked: written one batch at a time into arrays made for the whole
+    stack, so that only one batch is held beside it."""
+    stacked = None
+    for slot, batch in enumerate(batches):
+        if stacked is None:
+            stacked = _empty_stack(batch, count)
+        _write(stacked, batch, slot)
+    return stacked
+
+
+def _empty_stack(batch: Any, count: int) -> Any:
+    if batch is None:
         return None
-    if isinstance(first, dict):
-        return {key: _stacked([batch[key] for batch in batches]) for key in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_stacked([batch[i] for batch in batches]) for i in range(len(first)))
-    return np.stack(batches)
+    if isinstance(batch, dict):
+        return {key: _empty_stack(value, count) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_stack(item, count) for item in batch)
+    batch = np.asarray(batch)
+    return np.empty((count,) + batch.shape, batch.dtype)
+
+
+def _write(stacked: Any, batch: Any, slot: int) -> None:
+    if stacked is None:
+        return
+    if isinstance(stacked, dict):
+        for key, value in stacked.items():
+            _write(value, batch[key], slot)
+    elif isinstance(stacked, (list, tuple)):
+        for out, item in zip(stacked, batch):
+            _write(out, item, slot)
+    else:
+        stacked[slot] = batch
 
 
 def sample_batch(batches) -> tuple[Any, Any, Any, Any]:

@@ -57,6 +57,10 @@ class TorchBatches(DatasetPasses):
 
         def convert(leaf):
             if isinstance(leaf, np.ndarray) and leaf.dtype in _SAME_DTYPE:
+                if not leaf.flags.writeable:
+                    # A view of a read-only memory map (a batch of rows in order): torch
+                    # shares no read-only memory (it warns, and a step may write to it).
+                    leaf = np.array(leaf)
                 return torch.as_tensor(leaf, device=device)
             return None if leaf is None else keras.ops.convert_to_tensor(leaf)
 
