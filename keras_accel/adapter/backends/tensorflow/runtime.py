@@ -4,6 +4,7 @@ changes under it, and the distributed data sets its replicas read."""
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_accel.adapter import runtime
@@ -133,6 +134,12 @@ class Runtime(runtime.Runtime):
 
         if self.native is None and carry_mask and self.numeric_arrays(batches, preprocess):
             return HostBatches(batches)  # One device: no pipeline to build at each call.
+        if _read_from_host(batches, preprocess) and self.plan.strategy != "multi_worker":
+            # Arrays on disk: read a batch at a time on the host, never made tensors whole
+            # (an array pipeline holds its arrays whole as host tensors).
+            if self.native is None and carry_mask and _numbers(batches):
+                return HostBatches(batches)
+            return self._keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
         if isinstance(batches, ArrayBatches):
             pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
         elif isinstance(batches, tfdata.TFDatasetBatches):
@@ -178,6 +185,11 @@ class Runtime(runtime.Runtime):
         return GroupedBatches(batches, steps_per_call)
 
     def _groups(self, batches, model, kind: str, steps_per_call: int, preprocess) -> bool:
+        if _read_from_host(batches, preprocess):
+            # The program would hold the arrays whole (`tfdata.host_arrays`): arrays on disk
+            # are read by `wrap`'s batches instead, from the host, a group stacked per call
+            # (`fused.GroupRunner.run_batches`).
+            return False
         if self.native is not None or not self.groups_arrays(
             batches, model, kind, steps_per_call, preprocess, compiled_only=False
         ):
@@ -249,6 +261,20 @@ class Runtime(runtime.Runtime):
         local = len(self.native.extended.worker_devices)
         slices = tfdata.replica_slices(mine, local).with_options(options)
         return Distributed(self.native.distribute_datasets_from_function(lambda context: slices))
+
+
+def _read_from_host(batches, preprocess) -> bool:
+    """Whether `batches` are arrays on disk (`ArrayBatches.on_disk`: a memory map, an
+    array-like), read batch by batch on the host; a model's own preprocessing runs in an
+    array pipeline (tf.data) still, over the arrays whole."""
+    return isinstance(batches, ArrayBatches) and batches.on_disk and preprocess is None
+
+
+def _numbers(batches) -> bool:
+    """Whether every array of `batches` holds numbers (a host batch of text goes through
+    Keras's own adapter, which makes string tensors of it)."""
+    arrays = flatten((batches.x, batches.y, batches.sample_weight))
+    return all(np.dtype(a.dtype).kind in "biuf" for a in arrays if a is not None)
 
 
 class Distributed(tf.distribute.DistributedDataset):
