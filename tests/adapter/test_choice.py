@@ -190,9 +190,7 @@ def test_a_refused_compilation_runs_plain_and_is_said(capsys):
     assert "compiling them failed (RuntimeError: no kernel for this op)" in capsys.readouterr().out
 
 
-def test_a_decision_is_remembered_by_fingerprint_in_the_process_and_on_disk(
-    monkeypatch, tmp_path
-):
+def test_a_decision_is_remembered_by_fingerprint_in_the_process_and_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_ACCEL_JIT_COMPILE_CACHE", "1")
     monkeypatch.setattr(choice_cache, "path", lambda: str(tmp_path / "choices.json"))
     model = Model()

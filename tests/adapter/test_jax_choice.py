@@ -94,9 +94,7 @@ def test_a_scan_far_slower_is_given_up_after_one_step(monkeypatch, ways_run):
     # A convolution's gradient in XLA:CPU's loop: 100 times as slow. With steps this long
     # (5 ms or more) the scan's trial runs single steps: its compilation, one timed step.
     timed_ways(monkeypatch, plain=6e-3, compiled=0.6)
-    monkeypatch.setattr(
-        "keras_accel.adapter.backends.jax_groups.GroupedSteps.MOST_SAVED_S", 1.0
-    )
+    monkeypatch.setattr("keras_accel.adapter.backends.jax_groups.GroupedSteps.MOST_SAVED_S", 1.0)
     _fit()
     assert ways_run.count("compiled") == 2 and ways_run[-8:] == ["plain"] * 8
 

@@ -227,9 +227,7 @@ def test_the_decision_is_remembered_for_the_same_architecture(monkeypatch, ways_
     assert set(ways_run) == {"compiled"}  # No trial: XLA from its first group.
 
 
-def test_an_interrupted_fit_leaves_the_model_as_it_was_and_the_rerun_trains(
-    monkeypatch, ways_run
-):
+def test_an_interrupted_fit_leaves_the_model_as_it_was_and_the_rerun_trains(monkeypatch, ways_run):
     timed_ways(monkeypatch, plain=1e-3, compiled=1e-4)
     x, y = _data()
     acc = Accelerator(seed=0, devices=1, steps_per_execution=4)

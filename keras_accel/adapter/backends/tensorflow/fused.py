@@ -354,9 +354,9 @@ class GroupRunner:
                 model_ref(), self.kind, signature, details
             ),
             announce=print_msg,
-            refuses=lambda: None
-            if supports_xla(model_ref())
-            else "Keras says the model does not support XLA",
+            refuses=lambda: (
+                None if supports_xla(model_ref()) else "Keras says the model does not support XLA"
+            ),
             # The plain way is the step as the model compiles it, XLA or not: the model's
             # own `jit_compile` forces nothing here.
             model_decides=False,
