@@ -570,7 +570,15 @@ class Accelerator:
         return callback_list.for_call(model, callbacks, data, verbose=verbose, steps=steps)
 
     def _fuse(
-        self, model, kind: str, steps, callbacks, verbose, validating=False, divides=None
+        self,
+        model,
+        kind: str,
+        steps,
+        callbacks,
+        verbose,
+        validating=False,
+        divides=None,
+        batches=None,
     ) -> int:
         n, why = fusion.choose(
             self.steps_per_execution,
@@ -580,6 +588,7 @@ class Accelerator:
             callbacks,
             validating=validating,
             fuse_predictions=self._runtime.fuses_predictions(model),
+            batch_bytes=getattr(batches, "batch_bytes", None),
         )
         chosen = why.startswith(("compile(", "Accelerator("))
         limit = self._runtime.max_steps_per_execution
@@ -671,6 +680,7 @@ class Accelerator:
             verbose,
             validating=val is not None,
             divides=validation_steps if val is not None else None,
+            batches=train,
         )
         # The call's steps where its epochs are whole passes of known length: what a
         # compiled way would save (`choice`).
@@ -758,7 +768,7 @@ class Accelerator:
         self._check_exact(model, batches, "evaluate")
         contract = self._contract(batches)
         length = steps or batches.plan.num_batches
-        n = self._fuse(model, "test", length, callbacks, verbose)
+        n = self._fuse(model, "test", length, callbacks, verbose, batches=batches)
         patch = functools.partial(
             fusion.install, model=model, n=n, callbacks=callbacks, kind="test", steps=length
         )
@@ -806,7 +816,7 @@ class Accelerator:
         data = self._runtime.wrap(batches, True, preprocessor(model))
         contracts = {"predict": StepContract(pass_weights=False)}
         length = steps or batches.plan.num_batches
-        n = self._fuse(model, "predict", length, callbacks, verbose)
+        n = self._fuse(model, "predict", length, callbacks, verbose, batches=batches)
         patch = functools.partial(
             fusion.install, model=model, n=n, callbacks=callbacks, kind="predict", steps=length
         )

@@ -19,9 +19,14 @@ take that:
   `History(per_step=True)` needs every step.
 
 The rule for "auto": N = the largest divisor of every callback's period that is at most
-`AUTO_LIMIT` and at most the steps of one epoch. Per-call overhead then falls to at most
-1/32 of what it was, where it stops mattering next to the step itself, while the progress
-bar and a KeyboardInterrupt still act within 32 steps. A last group of fewer than N steps
+`AUTO_LIMIT`, at most the steps of one epoch, and, for arrays, at most as many batches as
+fit in `AUTO_BYTES`. Per-call overhead then falls to at most 1/32 of what it was, where it
+stops mattering next to the step itself, while the progress bar and a KeyboardInterrupt
+still act within 32 steps. The byte bound is for memory: a fused call holds its batches at
+once (a JAX group stacked, a TensorFlow group of batches read from disk), so 32 batches of
+16 MiB would hold 512 MiB whatever the data's size, where plain Keras holds one or a few
+batches; and a step over a MiB of input is long enough that a call per few steps costs
+little. A last group of fewer than N steps
 runs the same compiled step (no new compilation). An explicit value wins: `compile(...,
 steps_per_execution=N)` with N > 1, or `Accelerator(steps_per_execution=N)`.
 """
@@ -39,6 +44,11 @@ from keras_accel.utils.printing import print_msg
 
 AUTO = "auto"
 AUTO_LIMIT = 32
+# A fused group's batches at most (arrays: `ArrayBatches.batch_bytes`). A JAX group is held
+# on the host and on the device, and the next one is read while it runs: about 4 times this
+# (measured, a memory map of 4 KiB rows at batch 4,096: a group of 4 batches, 64 MiB, took
+# 325 MB above the process's baseline, one batch per call 89 MB, plain Keras 101 MB).
+AUTO_BYTES = 16 * 2**20
 
 _HOOKS = {
     "train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end"),
@@ -90,6 +100,7 @@ def choose(
     callbacks,
     validating: bool = False,
     fuse_predictions: bool = False,
+    batch_bytes: int | None = None,
 ) -> tuple[int, str]:
     """`(N, why)`: the steps per host call for one fit/evaluate/predict of `model`.
 
@@ -102,6 +113,8 @@ def choose(
             (at the same N: Keras validates with the fit's `steps_per_execution`).
         fuse_predictions: the backend runs a group of predictions in one program of one
             shape (JAX's `GroupedSteps`), so "auto" fuses `predict` too.
+        batch_bytes: bytes of one batch where known (arrays): "auto" holds at most
+            `AUTO_BYTES` of batches in one call.
     """
     compiled = _USERS.get(id(model), getattr(model, "steps_per_execution", 1))
     compiled = int(compiled or 1)
@@ -114,8 +127,13 @@ def choose(
         # changes with the last group; JAX's scan returns every group in one shape.
         return 1, "auto: prediction runs one batch per host call"
     limit = max(1, min(AUTO_LIMIT, steps or AUTO_LIMIT))
+    by_bytes = AUTO_BYTES // batch_bytes if batch_bytes else AUTO_LIMIT
+    if by_bytes < limit:
+        limit = max(1, by_bytes)
+        bounded_by = [(f"batches of {_size(batch_bytes)}", 0, [])]
+    else:
+        bounded_by = []
     period = 0  # gcd(0, p) = p: no constraint yet.
-    bounded_by = []
     kinds = (kind, "test") if validating and kind == "train" else (kind,)
     for callback in callbacks or []:
         for each in kinds:
@@ -138,7 +156,16 @@ def choose(
     return limit, why
 
 
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} bytes"
+
+
 def _limit(name: str, period: int, hooks: list[str]) -> str:
+    if period == 0:  # The byte bound.
+        return f"{name}, at most {_size(AUTO_BYTES)} of them per call"
     if period == 1:
         return f"{name}, which needs every batch ({'/'.join(hooks) or 'its records'})"
     return f"{name}, which needs groups dividing {period} steps"

@@ -331,6 +331,16 @@ class ArrayBatches:
     def __len__(self) -> int:
         return self.plan.num_batches
 
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of one padded batch of the arrays (x, y and sample_weight): what each step
+        of a fused group holds (`fusion.choose` bounds a group's by it)."""
+        total = 0
+        for a in flatten((self.x, self.y, self.sample_weight)):
+            if a is not None and getattr(a, "shape", None) is not None:
+                total += int(np.prod(a.shape[1:], dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        return total * self.plan.static_rows
+
     def epoch_indices(self, epoch: int) -> np.ndarray:
         """Row order of `epoch`: a pure function of (seed, epoch), so a resumed run sees the
         same order as an uninterrupted one."""

@@ -313,3 +313,48 @@ def test_per_output_losses_of_fused_steps_equal_plain_keras_with_and_without_pad
         expected = plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
         for key in keys:
             np.testing.assert_allclose(expected[key], exact[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+class _SeesFusion(keras.callbacks.Callback):
+    """The steps per host call each fit, evaluate or predict ran (no batch hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("train", self.model.steps_per_execution))
+
+    def on_test_begin(self, logs=None):
+        self.seen.append(("test", self.model.steps_per_execution))
+
+
+@pytest.mark.torch
+def test_auto_holds_at_most_auto_bytes_of_array_batches_per_call(monkeypatch):
+    # A batch of x (8 float32) and y (1 float32) is 16 * 36 bytes: with room for 5 batches
+    # a group, a fit, its validation and an evaluate fuse 5 steps, and train as unfused.
+    batch_bytes = BATCH * 9 * 4
+    monkeypatch.setattr(fusion, "AUTO_BYTES", 5 * batch_bytes)
+    seen = _SeesFusion()
+    acc, fused, history = _fit("auto", [seen], epochs=2)
+    x, y = _data(100, seed=1)
+    acc.evaluate(fused, x, y, batch_size=BATCH, verbose=0, callbacks=[seen])
+    # The fit, its validation after each of 2 epochs, then the evaluate.
+    assert seen.seen == [("train", 5)] + [("test", 5)] * 3, seen.seen
+    _, plain, plain_history = _fit(1, [], epochs=2)
+    for a, b in zip(plain.get_weights(), fused.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        plain_history.history["val_loss"], history.history["val_loss"], rtol=TOLERANCE
+    )
+    # With a callback's period the group is the largest divisor of it within the bound, and
+    # the note says both why.
+    model = _model(Accelerator(seed=0, devices=DEVICES))
+    backup = BackupAndRestore("unused", save_freq=6)
+    n, why = fusion.choose("auto", model, "train", 36, [backup], batch_bytes=batch_bytes)
+    assert n == 3, why
+    assert "batches of 576 bytes, at most 2.81 KiB" in why and "BackupAndRestore" in why, why
+    # A batch larger than the bound alone: one step per call.
+    n, why = fusion.choose("auto", model, "train", 36, [], batch_bytes=6 * batch_bytes)
+    assert n == 1 and "batches of 3.38 KiB" in why, why
+    assert fusion.choose("auto", model, "train", 36, [], batch_bytes=None)[0] == 32
