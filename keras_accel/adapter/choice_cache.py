@@ -37,6 +37,8 @@ import threading
 import time
 import warnings
 
+from keras_accel.utils import keras_internals
+
 FILE = "compile_choices.json"
 LIMIT = 512
 SWITCH = "KERAS_ACCEL_JIT_COMPILE_CACHE"
@@ -127,9 +129,10 @@ def _write(entries: dict) -> None:
 def fingerprint(model, kind: str, signature, details: dict | None = None) -> str | None:
     """The key of `model`'s `kind` steps on inputs of `signature` (a JSON-able description
     of shapes and dtypes) on this machine, or None where the model cannot be described."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), keras_internals.tensorflow_left_unimported():
         # Keras's serialization warns about its own objects (a variable's `__array__`):
-        # nothing the user asked for, and not theirs to act on.
+        # nothing the user asked for, and not theirs to act on. Nor does it import
+        # TensorFlow into a torch or JAX process for it (150 MB, 3 s).
         warnings.simplefilter("ignore")
         described = _model(model)
         compiled = _compile_config(model)

@@ -4,6 +4,9 @@ what forces a way, what is remembered and under which fingerprint, and how sever
 processes agree. The backends' runners are tested in tests/adapter/test_tf_choice.py and
 tests/adapter/test_torch_compiled.py."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import keras
@@ -296,3 +299,32 @@ def test_several_processes_take_the_same_way_at_the_same_unit():
     assert choice.COMPILED in taken[0]  # A trial ran, the same units in both,
     assert taken[0][-1] == choice.PLAIN  # and the slowest process decided for both.
     assert {r.decision.path for r in runners} == {choice.PLAIN}
+
+
+def test_the_fingerprint_leaves_tensorflow_unimported_on_the_other_backends():
+    """Keras's serialization imports TensorFlow to ask whether an object is one of its
+    types (150 MB and 3 s in a torch process): the fingerprint holds that off, with the same
+    key as where TensorFlow is imported, and leaves Keras asking again afterwards."""
+    script = """
+import sys
+import keras
+from keras_accel.adapter import choice_cache
+from keras.src.utils import module_utils
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("adam", "mse")
+key = choice_cache.fingerprint(model, "train", [[[8, 4], "float32"]])
+print(key, "tensorflow" in sys.modules, module_utils.tensorflow._available)
+import tensorflow
+print(choice_cache.fingerprint(model, "train", [[[8, 4], "float32"]]))
+"""
+    backend = "jax" if keras.backend.backend() == "tensorflow" else keras.backend.backend()
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = result.stdout.split("\n")[:2]
+    key, imported, available = first.split()
+    assert (imported, available) == ("False", "None"), first
+    assert key == second, (first, second)
