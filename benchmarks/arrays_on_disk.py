@@ -5,7 +5,8 @@ memory.
 The data are a read-only `np.memmap` of `rows x 1024` float32 (4 KiB a row) and its targets,
 `rows x 1` float32, both files in `--dir` (a fresh temporary folder by default, removed
 afterwards), for each `--sizes` in GB (10**9 bytes: 0.5 GB is 125,003 rows, uneven); the
-model is one `Dense(1)` (mse, SGD), one epoch at `--batch-size` 4096, `shuffle=True` in
+model is one `Dense(1)` (mse, SGD; `--hidden N` puts a `Dense(N, relu)` before it, some
+work per row), one epoch at `--batch-size` 4096, `shuffle=True` in
 `fit` (Keras's default). Each measurement is one child process: one call by one contestant
 on one file, the model compiled and built on a small in-memory batch first. What is
 reported is the process's peak *anonymous* resident memory during the call (`RssAnon` of
@@ -120,7 +121,8 @@ def _model_and_contestant(args):
     from keras_accel import Accelerator
 
     def build():
-        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        hidden = [keras.layers.Dense(args.hidden, activation="relu")] if args.hidden else []
+        model = keras.Sequential([keras.Input((FEATURES,)), *hidden, keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(1e-3), "mse")
         return model
 
@@ -201,6 +203,9 @@ def main() -> int:
     parser.add_argument("--contestants", nargs="+", default=["plain", "acc"])
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--hidden", type=int, default=0, help="a Dense(N, relu) before the Dense(1): work per row"
+    )
     parser.add_argument("--dir", default=None, help="where the files go (kept if given)")
     parser.add_argument("--json", default=None)
     for hidden in ("--who", "--call", "--x", "--y"):
@@ -225,6 +230,7 @@ def main() -> int:
             for backend in args.backends:
                 argv = [f"--x={x}", f"--y={y}", f"--rows={rows}", "--speed"]
                 argv += [f"--batch-size={args.batch_size}", f"--rounds={args.rounds}"]
+                argv += [f"--hidden={args.hidden}"]
                 got = run_child(script, backend, argv)
                 results.append({"backend": backend, "rows": rows, **got})
                 cells = [got.get("error") or f"{got[c]:.2f}" for c in CALLS]
@@ -246,6 +252,7 @@ def main() -> int:
                     for contestant in who:
                         argv = [f"--x={x}", f"--y={y}", f"--rows={rows}", f"--call={call}"]
                         argv += [f"--who={contestant}", f"--batch-size={args.batch_size}"]
+                        argv += [f"--hidden={args.hidden}"]
                         got = run_child(script, backend, argv)
                         results.append(
                             {"backend": backend, "call": call, "size_gb": size, "rows": rows,

@@ -267,9 +267,13 @@ class ArrayBatches:
         seed: int | None = None,
         class_weight: dict | None = None,
     ):
-        x = to_numpy(x, "x")
-        y = to_numpy(y, "y")
-        sample_weight = standardize_sample_weight(sample_weight)
+        # A read-only memory map mapped again copy-on-write: its batches can be shared with
+        # a tensor a step may write to, as in-memory ones are (`on_disk.copy_on_write`).
+        x = map_structure(on_disk.copy_on_write, to_numpy(x, "x"))
+        y = map_structure(on_disk.copy_on_write, to_numpy(y, "y"))
+        sample_weight = map_structure(
+            on_disk.copy_on_write, standardize_sample_weight(sample_weight)
+        )
         num_samples = check_same_length([("x", x), ("y", y), ("sample_weight", sample_weight)])
         if class_weight is not None:
             if sample_weight is not None:

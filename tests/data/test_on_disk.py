@@ -203,3 +203,34 @@ def test_an_h5py_dataset_gives_the_batches_of_its_arrays(tmp_path):
         memory = ArrayBatches(x["a"], y, **options)
         for index in range(len(batches)):
             _assert_same(batches.batch(index), memory.batch(index))
+
+
+def test_a_read_only_memory_map_is_mapped_again_copy_on_write(tmp_path):
+    """The rows a read-only map's view holds, writable, with a write kept from the file and
+    from the map it came from; at an offset in the file, and for a view of rows. Anything
+    else, untouched."""
+    path = tmp_path / "rows.f32"
+    whole = np.arange(500 * 7, dtype="float32").reshape(500, 7)
+    whole.tofile(path)
+    mapped = np.memmap(path, "float32", "r", offset=3 * 7 * 4, shape=(400, 7))
+    view = mapped[123:300]
+    writable = on_disk.copy_on_write(view)
+    assert writable.flags.writeable and on_disk.on_disk(writable)
+    np.testing.assert_array_equal(writable, whole[3 + 123 : 3 + 300])
+    writable[0] = -1.0
+    assert view[0, 0] == whole[126, 0]
+    assert np.fromfile(path, "float32").reshape(500, 7)[126, 0] == whole[126, 0]
+    columns = mapped[:, 2:]  # Not contiguous rows: left as it is.
+    assert on_disk.copy_on_write(columns) is columns
+    for other in (whole, np.memmap(path, "float32", "r+", shape=(500, 7)), CountingRows(whole)):
+        assert on_disk.copy_on_write(other) is other
+    # ArrayBatches maps its arrays so: the batches, those of the arrays in memory.
+    batches = ArrayBatches(mapped, mapped[:, 0], batch_size=BATCH, num_replicas=1, shuffle=True)
+    assert batches.x.flags.writeable
+    reference = ArrayBatches(
+        np.array(mapped), np.array(mapped[:, 0]), batch_size=BATCH, num_replicas=1, shuffle=True,
+        seed=batches.seed,
+    )  # fmt: skip
+    for index in range(len(batches)):
+        for got, want in zip(batches.batch(index), reference.batch(index)):
+            np.testing.assert_array_equal(got, want)
