@@ -141,9 +141,10 @@ class Runtime:
         )
 
     @staticmethod
-    def numeric_arrays(batches, preprocess=None) -> bool:
-        """Whether `batches` are in-memory numpy arrays of numbers (no text, nothing
-        sparse), read without preprocessing."""
+    def numeric_arrays(batches, preprocess=None, array_likes: bool = False) -> bool:
+        """Whether `batches` are numpy arrays of numbers (no text, nothing sparse), read
+        without preprocessing; with `array_likes`, array-likes on disk of numbers count too
+        (`keras_accel.data.on_disk`)."""
         import numpy as np
 
         from keras_accel.data.batching import flatten
@@ -153,7 +154,9 @@ class Runtime:
             return False
         arrays = flatten((batches.x, batches.y, batches.sample_weight))
         return all(
-            isinstance(a, np.ndarray) and a.dtype.kind in "biuf" for a in arrays if a is not None
+            (array_likes or isinstance(a, np.ndarray)) and np.dtype(a.dtype).kind in "biuf"
+            for a in arrays
+            if a is not None
         )
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):

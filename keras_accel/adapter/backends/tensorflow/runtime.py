@@ -4,7 +4,6 @@ changes under it, and the distributed data sets its replicas read."""
 from __future__ import annotations
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_accel.adapter import runtime
@@ -137,7 +136,7 @@ class Runtime(runtime.Runtime):
         if _read_from_host(batches, preprocess) and self.plan.strategy != "multi_worker":
             # Arrays on disk: read a batch at a time on the host, never made tensors whole
             # (an array pipeline holds its arrays whole as host tensors).
-            if self.native is None and carry_mask and _numbers(batches):
+            if self.native is None and carry_mask and self.numeric_arrays(batches, None, True):
                 return HostBatches(batches)
             return self._keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
         if isinstance(batches, ArrayBatches):
@@ -268,13 +267,6 @@ def _read_from_host(batches, preprocess) -> bool:
     array-like), read batch by batch on the host; a model's own preprocessing runs in an
     array pipeline (tf.data) still, over the arrays whole."""
     return isinstance(batches, ArrayBatches) and batches.on_disk and preprocess is None
-
-
-def _numbers(batches) -> bool:
-    """Whether every array of `batches` holds numbers (a host batch of text goes through
-    Keras's own adapter, which makes string tensors of it)."""
-    arrays = flatten((batches.x, batches.y, batches.sample_weight))
-    return all(np.dtype(a.dtype).kind in "biuf" for a in arrays if a is not None)
 
 
 class Distributed(tf.distribute.DistributedDataset):
