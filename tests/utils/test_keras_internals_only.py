@@ -1,5 +1,5 @@
 """Every private name keras_accel reaches into goes through one of its two internals modules:
-`keras_accel/utils/keras_internals.py` (Keras's) and `keras_accel/utils/library_internals.py`
+the `keras_accel/utils/keras_internals/` package (Keras's) and `keras_accel/utils/library_internals.py`
 (Python's, torch's, TensorFlow's own, JAX's, Grain's), where each is listed with its reason
 and checked, a missing one failing with the library's version.
 
@@ -12,7 +12,7 @@ The package's source is read (AST) and every reach-through is listed:
   a private member of a class defined in the same module (a method, a class attribute, or
   an attribute it assigns on `self`/`cls`) is the module's own (schedules/base.py sets
   `_total_steps` on a copy of itself), except on a name bound by an import (`sweep._paths`
-  is another module's) and except a name keras_internals.py reads (a class of ours with a
+  is another module's) and except a name the keras_internals package reads (a class of ours with a
   `_learning_rate` of its own cannot hide a read of Keras's);
 - **an import of another module's private name**: `from keras_accel.x.y import _name`,
   unless the importer is inside the package that holds it (`schedules/base.py` imports
@@ -40,8 +40,8 @@ pytestmark = pytest.mark.torch  # Reads source only: every backend's run checks 
 
 PACKAGE = pathlib.Path(keras_accel.__file__).parent
 ROOT = PACKAGE.parent
-KERAS_INTERNALS = PACKAGE / "utils" / "keras_internals.py"
-INTERNALS = {KERAS_INTERNALS, PACKAGE / "utils" / "library_internals.py"}
+KERAS_INTERNALS = sorted((PACKAGE / "utils" / "keras_internals").glob("*.py"))
+INTERNALS = {*KERAS_INTERNALS, PACKAGE / "utils" / "library_internals.py"}
 
 # At most this many reach-throughs outside the internals modules (issue 42: 21 had crept in).
 BOUND = 10
@@ -164,14 +164,18 @@ def own_names(tree: ast.AST) -> set[str]:
 
 
 def keras_names() -> set[str]:
-    """The private names keras_internals.py reads: Keras's, never a module's own."""
-    tree = ast.parse(KERAS_INTERNALS.read_text())
-    names = {name for _, name, _ in accesses(tree)}
-    names |= {
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _private(node.value)
-    }
+    """The private names the keras_internals package reads: Keras's, never a module's own."""
+    names = set()
+    for path in KERAS_INTERNALS:
+        tree = ast.parse(path.read_text())
+        names |= {name for _, name, _ in accesses(tree)}
+        names |= {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and _private(node.value)
+        }
     return names
 
 
@@ -210,7 +214,7 @@ def test_every_internal_goes_through_the_internals_modules():
         place for key, places in sorted(_found().items()) if key not in ALLOWED for place in places
     ]
     assert not unlisted, (
-        "Private names reached outside keras_accel/utils/keras_internals.py and "
+        "Private names reached outside keras_accel/utils/keras_internals/ and "
         "library_internals.py: read a Keras internal through an accessor in keras_internals "
         "(another library's in library_internals), each checked and failing with the "
         "library's version; give our own name a public spelling; or, at most "
