@@ -48,8 +48,9 @@ class GrainPasses(PaddedBatchesAdapter):
     """A Keras data adapter over a re-iterable `IterableBatches`: each `get_*_iterator()` is
     one new pass of the data set, its batches as `keras_accel.data.pydataset.stream` serves
     them (`carry_mask`, `rows`: this process's rows of each global batch). On JAX a
-    process's own files of a tf.data pipeline (`keras_accel.data.tfdata.ProcessFiles`) are
-    served the same way: one pass per epoch, its padded batches as numpy.
+    process's own files of a tf.data pipeline
+    (`keras_accel.data.tf_process_files.ProcessFiles`) are served the same way: one pass per
+    epoch, its padded batches as numpy.
 
     `num_batches` is the data set's length where it knows one (a `MapDataset`; not under
     remainder="drop", which may skip a partial batch): Keras then ends an epoch after that

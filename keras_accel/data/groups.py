@@ -29,7 +29,7 @@ class StackedGroup:
 
 
 class ArrayGroupPasses(PaddedBatchesAdapter):
-    """`batches` (`keras_accel.data.sources.ArrayBatches`) as a Keras data adapter whose JAX
+    """`batches` (`keras_accel.data.array_batches.ArrayBatches`) as a Keras data adapter whose JAX
     iterator yields one `StackedGroup` of `steps` batches per call (the epoch's last group
     fewer). Its epochs are `batches`' (`Accelerator.fit` sets and advances them)."""
 
@@ -68,7 +68,7 @@ GROUP_DATA = "keras_accel_data"
 
 class RowGroups:
     """Which rows of the arrays each group of `steps` batches of `batches`
-    (`keras_accel.data.sources.ArrayBatches`) holds, epoch after epoch, for a program that
+    (`keras_accel.data.array_batches.ArrayBatches`) holds, epoch after epoch, for a program that
     gathers them itself from arrays it holds whole (TensorFlow, one device): per group
     only the rows' positions cross from the host, no batch is copied there, no pipeline is
     built.

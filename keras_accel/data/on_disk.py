@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 # Modules whose arrays are in memory and converted whole, as Keras converts them: tensors
-# of the backends (their own branches in `sources.to_numpy`) and pandas objects, whose
+# of the backends (their own branches in `inputs.to_numpy`) and pandas objects, whose
 # `__getitem__` reads labels, not positions.
 _CONVERTED = ("jax", "jaxlib", "tensorflow", "torch", "pandas")
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from keras_accel.data.ahead import OneBatchAhead
+from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.batching import unpack
 from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches
 from tests.conftest import BACKEND
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.batching import BatchPlan, pad_batch, static_batch_size
-from keras_accel.data.sources import ArrayBatches
 
 
 def test_static_batch_size_rounds_up_to_replicas():

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 
+from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.batching import element
 from keras_accel.data.groups import ArrayGroupPasses, StackedGroup
-from keras_accel.data.sources import ArrayBatches
 from tests.conftest import BACKEND
 
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from keras_accel.data import on_disk
+from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.batching import element
+from keras_accel.data.inputs import to_numpy
 from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches, to_numpy
 
 pytestmark = pytest.mark.torch  # numpy only: every lane.
 

@@ -1,12 +1,14 @@
-"""Which tf.data pipelines each process can read by file (`tfdata.process_files`), and what it
-then reads: its own files, in its share of each batch. One process plays each index here; the
-two-process runs are in tests/distributed."""
+"""Which tf.data pipelines each process can read by file (`tf_process_files.process_files`), and
+what it then reads: its own files, in its share of each batch. One process plays each index
+here; the two-process runs are in tests/distributed."""
 
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from keras_accel.data import tfdata  # noqa: E402
+from keras_accel.data import tf_process_files  # noqa: E402
+from keras_accel.data.tf_datasets import TFDatasetBatches  # noqa: E402
+from keras_accel.utils import library_internals  # noqa: E402
 
 
 def _write(directory, files=3, rows=(5, 7, 9)):
@@ -28,14 +30,14 @@ def _pipeline(names, batch=4, **interleave):
 
 
 def _batches(dataset, replicas=2):
-    return tfdata.TFDatasetBatches(dataset, num_replicas=replicas, remainder="pad", training=True)
+    return TFDatasetBatches(dataset, num_replicas=replicas, remainder="pad", training=True)
 
 
 def _real_rows(own):
     """The values of every real (unpadded) row this share reads, batch by batch."""
     rows = []
     for element in own.pipeline():
-        x, _, _, mask = tfdata._numpy_batch(element)
+        x, _, _, mask = tf_process_files._numpy_batch(element)
         rows.append([int(v) for v, m in zip(x.ravel(), mask, strict=True) if m])
     return rows
 
@@ -43,7 +45,7 @@ def _real_rows(own):
 def test_each_process_reads_its_files_in_its_share_of_each_batch(tmp_path):
     names = _write(tmp_path)
     batches = _batches(_pipeline(names))
-    shares = [tfdata.process_files(batches, 2, index) for index in range(2)]
+    shares = [tf_process_files.process_files(batches, 2, index) for index in range(2)]
     for own in shares:
         assert own is not None
         assert own.plan.batch_size == 2 and own.plan.static_rows == 2
@@ -56,7 +58,7 @@ def test_each_process_reads_its_files_in_its_share_of_each_batch(tmp_path):
 
 def test_a_short_batch_of_a_process_is_padded_to_its_share(tmp_path):
     names = _write(tmp_path, files=2, rows=(5, 2))
-    own = tfdata.process_files(_batches(_pipeline(names)), 2, 0)
+    own = tf_process_files.process_files(_batches(_pipeline(names)), 2, 0)
     sizes = [len(batch) for batch in _real_rows(own)]
     assert own.first_batch()[0].shape == (2, 1)
     assert sizes == [2, 2, 1]  # File 0's 5 rows in shares of 2; the last one padded.
@@ -74,7 +76,7 @@ def test_where_a_process_cannot_have_its_own_files(tmp_path, why, monkeypatch):
         # Told by its graph, not by tf.data's FILE sharding, which logs an error with the
         # whole graph in every process first ("tf_auto_shard failed", issue 34).
         monkeypatch.setattr(
-            tfdata.library_internals, "tf_auto_shard_dataset", lambda: pytest.fail("tried")
+            library_internals, "tf_auto_shard_dataset", lambda: pytest.fail("tried")
         )
     elif why == "batch not a multiple":
         dataset, processes = _pipeline(_write(tmp_path), batch=6), 4
@@ -86,4 +88,4 @@ def test_where_a_process_cannot_have_its_own_files(tmp_path, why, monkeypatch):
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset, processes = _pipeline(_write(tmp_path)).with_options(options), 2
     batches = _batches(dataset, replicas=processes)
-    assert tfdata.process_files(batches, processes, processes - 1) is None
+    assert tf_process_files.process_files(batches, processes, processes - 1) is None

@@ -1,4 +1,4 @@
-"""How a global batch reaches the replicas on TensorFlow (`tfdata.replica_slices`): replica i
+"""How a global batch reaches the replicas on TensorFlow (`tf_shares.replica_slices`): replica i
 gets the i-th contiguous slice of each batch, with every static dimension kept, and the
 strategy's distributed data set hands them out as `experimental_distribute_dataset` would."""
 
@@ -7,7 +7,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from keras_accel.data import tfdata  # noqa: E402
+from keras_accel.data import tf_shares  # noqa: E402
 
 
 def _batches(rows=8, features=3, count=3):
@@ -20,7 +20,7 @@ def _batches(rows=8, features=3, count=3):
 
 
 def test_each_batch_becomes_its_replicas_slices_in_order_with_static_shapes():
-    sliced = tfdata.replica_slices(_batches(), 4)
+    sliced = tf_shares.replica_slices(_batches(), 4)
     x_spec, y_spec, w_spec = sliced.element_spec
     assert x_spec.shape.as_list() == [2, 3] and y_spec.shape.as_list() == [2]
     assert w_spec.shape.as_list() == [2]
@@ -31,20 +31,20 @@ def test_each_batch_becomes_its_replicas_slices_in_order_with_static_shapes():
 
 def test_unknown_inner_dimensions_and_rank_are_split_too():
     ragged_inner = tf.data.Dataset.range(2).map(lambda i: tf.zeros([4, i + 1]))
-    sliced = tfdata.replica_slices(ragged_inner, 2)
+    sliced = tf_shares.replica_slices(ragged_inner, 2)
     assert sliced.element_spec.shape.as_list() == [2, None]
     assert [t.shape for t in sliced.as_numpy_iterator()] == [(2, 1), (2, 1), (2, 2), (2, 2)]
     unknown_rank = tf.data.Dataset.range(1).map(
         lambda i: tf.io.parse_tensor(tf.io.serialize_tensor(tf.zeros([4, 5])), tf.float32)
     )
     assert unknown_rank.element_spec.shape.rank is None
-    shapes = [t.shape for t in tfdata.replica_slices(unknown_rank, 4).as_numpy_iterator()]
+    shapes = [t.shape for t in tf_shares.replica_slices(unknown_rank, 4).as_numpy_iterator()]
     assert shapes == [(1, 5)] * 4
 
 
 def test_one_part_is_the_data_set_itself():
     dataset = _batches()
-    assert tfdata.replica_slices(dataset, 1) is dataset
+    assert tf_shares.replica_slices(dataset, 1) is dataset
 
 
 def test_distributed_slices_match_experimental_distribute_dataset():
@@ -52,7 +52,7 @@ def test_distributed_slices_match_experimental_distribute_dataset():
     if len(devices) < 4:
         pytest.skip("needs 4 logical CPU devices (KERAS_ACCEL_TEST_DEVICES)")
     strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:4]])
-    sliced = tfdata.replica_slices(_batches(), 4)
+    sliced = tf_shares.replica_slices(_batches(), 4)
     ours = strategy.distribute_datasets_from_function(lambda context: sliced)
     theirs = strategy.experimental_distribute_dataset(_batches())
     for mine, keras_s in zip(ours, theirs, strict=True):

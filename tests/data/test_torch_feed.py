@@ -7,8 +7,8 @@ import keras
 import numpy as np
 import pytest
 
+from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.pydataset import StaticBatchDataset
-from keras_accel.data.sources import ArrayBatches
 from tests.conftest import BACKEND
 
 pytestmark = [

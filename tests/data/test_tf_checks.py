@@ -9,7 +9,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from keras_accel import Accelerator  # noqa: E402
-from keras_accel.data import tfdata  # noqa: E402
+from keras_accel.data import tf_checks  # noqa: E402
 from tests.helpers import FEW_REPLICAS  # noqa: E402
 
 ROWS = 40
@@ -78,15 +78,15 @@ def test_targets_and_weights_beside_a_data_set_get_keras_words(acc_and_model):
 def test_which_pipelines_may_hold_single_examples():
     x, y = _images()
     slices = tf.data.Dataset.from_tensor_slices((x, y.astype("float32")[:, None]))
-    assert tfdata.maybe_unbatched(slices.map(lambda a, b: (a[0], b)))  # (6, 1) and (1,).
-    assert not tfdata.maybe_unbatched(slices.batch(8))
-    assert not tfdata.maybe_unbatched(slices.batch(8, drop_remainder=True))  # Fixed rows.
-    assert not tfdata.maybe_unbatched(slices.batch(8).unbatch().batch(4))
-    assert not tfdata.maybe_unbatched(tf.data.Dataset.from_tensors((x, y)))  # One batch.
+    assert tf_checks.maybe_unbatched(slices.map(lambda a, b: (a[0], b)))  # (6, 1) and (1,).
+    assert not tf_checks.maybe_unbatched(slices.batch(8))
+    assert not tf_checks.maybe_unbatched(slices.batch(8, drop_remainder=True))  # Fixed rows.
+    assert not tf_checks.maybe_unbatched(slices.batch(8).unbatch().batch(4))
+    assert not tf_checks.maybe_unbatched(tf.data.Dataset.from_tensors((x, y)))  # One batch.
     generated = tf.data.Dataset.from_generator(
         lambda: iter([]), output_signature=tf.TensorSpec((8, 6, 6, 1), tf.float32)
     )
-    assert not tfdata.maybe_unbatched(generated)  # The user's generator yields batches.
+    assert not tf_checks.maybe_unbatched(generated)  # The user's generator yields batches.
     # Such a pipeline given a batch_size is one its user meant to batch: said so.
     with pytest.raises(ValueError, match=r"not batched \(no step of its pipeline batches"):
-        tfdata.check_arguments(tf.data.Dataset.from_tensor_slices(x), None, 8, None)
+        tf_checks.check_arguments(tf.data.Dataset.from_tensor_slices(x), None, 8, None)
