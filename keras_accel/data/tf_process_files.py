@@ -61,11 +61,21 @@ class ProcessFiles:
 
     def first_batch(self):
         """This process's first padded batch, `(x, y, sample_weight, row_mask)` as numpy."""
+        self._read_first()
+        return self._firsts[id(self._preprocess)]
+
+    def is_empty(self) -> bool:
+        """Whether this process's share holds no batch, padded and filtered as it will be
+        fed (under "drop" a small share may be empty). Reads the first batch, once: then
+        `first_batch` serves it."""
+        return self._read_first() is None
+
+    def _read_first(self):
         key = id(self._preprocess)
         if key not in self._firsts:
             for element in self.pipeline(True, self._preprocess).take(1):
                 self._firsts[key] = _numpy_batch(element)
-        return self._firsts[key]
+        return self._firsts.get(key)
 
     def batches(self, scale: bool = False):
         """One pass of this process's padded batches, then padding batches until every
@@ -144,13 +154,12 @@ def process_files(batches: TFDatasetBatches, num_processes: int, index: int) -> 
         kind="tf.data.Dataset (this process's files)",
     )
     own = ProcessFiles(shard, local_plan)
-    try:  # Padded and filtered as it will be fed: under "drop" a small share may be empty.
-        first = [_numpy_batch(element) for element in own.pipeline().take(1)]
+    try:
+        empty = own.is_empty()  # The raw first batch, read once (`first_batch`).
     except tf.errors.OpError:
         return None  # Not FILE-shardable here: no reader op, or fewer files than processes.
-    if not first:
+    if empty:
         return None  # An empty share.
-    own._firsts[id(None)] = first[0]  # The raw first batch, read once (`first_batch`).
     return own
 
 
