@@ -55,8 +55,9 @@ class Schedule(keras.optimizers.schedules.LearningRateSchedule):
     (False, 0.5)
     """
 
-    # Names of constructor arguments holding schedules, which `from_config` deserializes.
-    _schedule_arguments: tuple[str, ...] = ()
+    # Names of constructor arguments holding schedules, which `from_config` deserializes (a
+    # subclass that takes schedules names them).
+    schedule_arguments: tuple[str, ...] = ()
 
     def __init__(self, *, total_steps: int | None = None, steps_per_epoch: int | None = None):
         self._total_steps = _checks.optional_step_count("total_steps", total_steps)
@@ -101,13 +102,14 @@ class Schedule(keras.optimizers.schedules.LearningRateSchedule):
             ValueError: if a length is not a positive whole number, or the schedule does not
                 fit in it (e.g. a warmup of `warmup_steps >= total_steps`).
         """
+        total_steps = _checks.step_count("total_steps", total_steps, positive=True)
+        if steps_per_epoch is None:
+            steps_per_epoch = self.steps_per_epoch
+        else:
+            steps_per_epoch = _checks.step_count("steps_per_epoch", steps_per_epoch, positive=True)
         bound = copy.copy(self)
-        bound._total_steps = _checks.step_count("total_steps", total_steps, positive=True)
-        if steps_per_epoch is not None:
-            bound._steps_per_epoch = _checks.step_count(
-                "steps_per_epoch", steps_per_epoch, positive=True
-            )
-        bound._resolve()
+        # The copy learns the length as a schedule built with it does (and resolves it).
+        Schedule.__init__(bound, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
         return bound
 
     def __call__(self, step: Any) -> Any:
@@ -137,7 +139,7 @@ class Schedule(keras.optimizers.schedules.LearningRateSchedule):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Schedule:
         config = dict(config)
-        for key in cls._schedule_arguments:
+        for key in cls.schedule_arguments:
             value = config.get(key)
             if isinstance(value, list):
                 config[key] = [deserialize_schedule(v) for v in value]

@@ -73,7 +73,7 @@ class ExponentialDecay(Schedule):
             "decay_rate": self._decay_rate,
             "staircase": self._staircase,
             "end_value": self._end_value,
-            "total_steps": self._total_steps,
+            "total_steps": self.total_steps,
         }
 
     def _value(self, step: Any) -> Any:
@@ -109,20 +109,20 @@ class _DecayToEnd(Schedule):
         return {
             "init_value": self._init_value,
             "end_value": self._end_value,
-            "total_steps": self._total_steps,
+            "total_steps": self.total_steps,
         }
 
     def _missing_training_length(self) -> str | None:
-        if self._total_steps is None:
+        if self.total_steps is None:
             return f"its {self._shape} decay ends at `total_steps`, which is not set"
         return None
 
     def _value(self, step: Any) -> Any:
-        return type(self)._decay_fn(
+        return self._decay_fn(
             step,
             init_value=self._init_value,
             end_value=self._end_value,
-            decay_steps=self._total_steps,
+            decay_steps=self.total_steps,
         )
 
 

@@ -40,7 +40,7 @@ class Join(Schedule):
     [1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     """
 
-    _schedule_arguments = ("schedules",)
+    schedule_arguments = ("schedules",)
 
     def __init__(
         self,
@@ -74,14 +74,14 @@ class Join(Schedule):
             "schedules": list(self._schedules),
             "boundaries": list(self._boundaries),
             "unit": self._unit,
-            "steps_per_epoch": self._steps_per_epoch,
-            "total_steps": self._total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
         }
 
     def _resolve(self) -> None:
-        total = self._total_steps
+        total = self.total_steps
         starts = _checks.resolve_boundaries(
-            self._boundaries, self._unit, steps_per_epoch=self._steps_per_epoch, total_steps=total
+            self._boundaries, self._unit, steps_per_epoch=self.steps_per_epoch, total_steps=total
         )
         self._step_boundaries = starts
         self._pieces: list[tuple[int, Any]] = []
@@ -107,7 +107,7 @@ class Join(Schedule):
                         )
                 else:
                     schedule = schedule.with_total_steps(
-                        end - start, steps_per_epoch=self._steps_per_epoch
+                        end - start, steps_per_epoch=self.steps_per_epoch
                     )
             self._pieces.append((start, schedule))
 

@@ -33,7 +33,7 @@ class Constant(Schedule):
         super().__init__(total_steps=total_steps)
 
     def _arguments(self) -> dict[str, Any]:
-        return {"value": self._constant, "total_steps": self._total_steps}
+        return {"value": self._constant, "total_steps": self.total_steps}
 
     def _value(self, step: Any) -> Any:
         return functional.constant(step, value=self._constant)
@@ -95,16 +95,16 @@ class PiecewiseConstant(Schedule):
             "values": list(self._values),
             "boundaries": list(self._boundaries),
             "unit": self._unit,
-            "steps_per_epoch": self._steps_per_epoch,
-            "total_steps": self._total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
         }
 
     def _resolve(self) -> None:
         self._step_boundaries = _checks.resolve_boundaries(
             self._boundaries,
             self._unit,
-            steps_per_epoch=self._steps_per_epoch,
-            total_steps=self._total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            total_steps=self.total_steps,
         )
 
     def _missing_training_length(self) -> str | None:

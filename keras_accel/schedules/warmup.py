@@ -41,7 +41,7 @@ class Warmup(Schedule):
     [0.0, 0.5, 1.0, 0.5, 0.25]
     """
 
-    _schedule_arguments = ("schedule",)
+    schedule_arguments = ("schedule",)
 
     def __init__(
         self,
@@ -79,11 +79,11 @@ class Warmup(Schedule):
             "warmup_steps": self._warmup_steps,
             "warmup_fraction": self._warmup_fraction,
             "init_value": self._init_value,
-            "total_steps": self._total_steps,
+            "total_steps": self.total_steps,
         }
 
     def _resolve(self) -> None:
-        total = self._total_steps
+        total = self.total_steps
         if self._warmup_steps is not None:
             warmup = self._warmup_steps
             if total is not None and warmup >= total:
@@ -105,7 +105,7 @@ class Warmup(Schedule):
             and warmup is not None
             and total is not None
         ):
-            after = after.with_total_steps(total - warmup, steps_per_epoch=self._steps_per_epoch)
+            after = after.with_total_steps(total - warmup, steps_per_epoch=self.steps_per_epoch)
         self._after = after
 
     def _missing_training_length(self) -> str | None:
@@ -138,7 +138,7 @@ class _WarmupDecay(Warmup):
     """Linear warmup to `peak_value`, then a decay to `end_value` at the end of training."""
 
     _decay_class: type[Schedule] = CosineDecay
-    _schedule_arguments = ()
+    schedule_arguments = ()
 
     def __init__(
         self,
@@ -173,11 +173,11 @@ class _WarmupDecay(Warmup):
             "warmup_fraction": self._warmup_fraction,
             "init_value": self._init_value,
             "end_value": self._end_value,
-            "total_steps": self._total_steps,
+            "total_steps": self.total_steps,
         }
 
     def _missing_training_length(self) -> str | None:
-        if self._total_steps is None:
+        if self.total_steps is None:
             return "its decay ends at `total_steps`, which is not set"
         return None
 

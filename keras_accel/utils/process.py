@@ -7,6 +7,7 @@ keras_accel asks `is_chief()` here, so one rule decides for the whole package.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 
 def _tf_cluster():
@@ -139,6 +140,10 @@ def coordination_client():
     return client
 
 
+# The passes this process has made over per-process data, numbered from 1 (`EndAgreement`).
+_PASS_NUMBERS = itertools.count(1)
+
+
 class EndAgreement:
     """Where one pass over per-process data ends, agreed by every process, without counting.
 
@@ -155,13 +160,11 @@ class EndAgreement:
     evaluation's), which is the same program order in every process.
     """
 
-    _passes = 0
     POLL_S = 0.001
     TIMEOUT_S = 600.0  # A process that never comes is a dead process: fail, do not hang.
 
     def __init__(self):
-        EndAgreement._passes += 1
-        self.number = EndAgreement._passes
+        self.number = next(_PASS_NUMBERS)
         self.me = process_index()
         self.others = [p for p in range(num_processes()) if p != self.me]
         self._client = coordination_client()
