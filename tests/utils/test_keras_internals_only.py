@@ -1,5 +1,5 @@
-"""Every private name keras_accel reaches into goes through one of its two internals modules:
-the `keras_accel/utils/keras_internals/` package (Keras's) and `keras_accel/utils/library_internals.py`
+"""Every private name keras_accel reaches into goes through its internals modules: the
+`keras_accel/utils/keras_internals/` package (Keras's) and `keras_accel/utils/library_internals.py`
 (Python's, torch's, TensorFlow's own, JAX's, Grain's), where each is listed with its reason
 and checked, a missing one failing with the library's version.
 
@@ -26,9 +26,22 @@ The package's source is read (AST) and every reach-through is listed:
 Outside the internals modules each must be in `ALLOWED`, by file and name, with the reason.
 An `ALLOWED` entry that matches nothing fails too, so the list cannot rot; and there are at
 most `BOUND` of them, so that it cannot grow back either.
+
+Our own private names are held stricter still (`test_our_privates_stay_home`): the object,
+not the module, is the unit of privacy, so that no two modules share a contract nothing names:
+
+- **on another object**: `obj._name` where `obj` is not `self`/`cls`, even where `_name` is
+  a member of a class of the same module (a copy of `self`, `type(self)`, another instance);
+- **inherited across modules**: `self._name`/`cls._name` where `_name` is defined (in a class
+  body, or assigned on `self`/`cls`) in another keras_accel module only, and by no base class
+  of another library (a Keras callback's `self._model` is Keras's, read as Keras's subclasses
+  read it).
 """
 
 import ast
+import functools
+import importlib
+import inspect
 import pathlib
 import textwrap
 
@@ -342,3 +355,211 @@ def test_a_new_violation_is_reported_with_file_and_line():
     line = source.count("\n")
     found = violations(module, source, keras_names(), "keras_accel.callbacks.history")
     assert (line, "_loss_tracker", "model") in found
+
+
+# ------------------------------------------------------------ our own privates kept home
+
+
+def _self_reads(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, private name, the qualified name of the class it is read in) for each
+    `self._name`/`cls._name` read, and each `getattr(self, "_name")`/`hasattr`, in a class
+    body (the innermost class; a class made inside a function has no qualified name: "")."""
+    found = []
+
+    def visit(node: ast.AST, qualname: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                nested = qualname and f"{qualname}.{child.name}"
+                visit(child, child.name if isinstance(node, ast.Module) else nested)
+                continue
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, qualname if qualname else "")
+                continue
+            if qualname is not None and isinstance(child, ast.Attribute):
+                if (
+                    _is_self(child.value)
+                    and _private(child.attr)
+                    and isinstance(child.ctx, ast.Load)
+                ):
+                    found.append((child.lineno, child.attr, qualname))
+            elif qualname is not None and isinstance(child, ast.Call):
+                called = getattr(child.func, "id", None)
+                if (
+                    called in ("getattr", "hasattr")
+                    and len(child.args) >= 2
+                    and _is_self(child.args[0])
+                    and isinstance(child.args[1], ast.Constant)
+                    and isinstance(child.args[1].value, str)
+                    and _private(child.args[1].value)
+                ):
+                    found.append((child.lineno, child.args[1].value, qualname))
+            visit(child, qualname)
+
+    visit(tree, None)
+    return [read for read in found if read[2] is not None]
+
+
+@functools.cache
+def _assigned_on_self(cls: type) -> frozenset[str]:
+    """The names `cls`'s own source assigns on `self`/`cls` (its instance attributes); none
+    where its source cannot be read (a class written in C)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and _is_self(node.value)
+        and isinstance(node.ctx, ast.Store)
+    )
+
+
+def _defined_by_a_library_base(cls: type | None, name: str) -> bool:
+    """Whether a base class of `cls` from another library (Keras's `Callback`, a `Layer`)
+    defines `name`: its own attribute, which our subclass reads as Keras's own do."""
+    for base in cls.__mro__[1:] if cls is not None else ():
+        if base.__module__.split(".")[0] == "keras_accel":
+            continue
+        if name in vars(base) or name in _assigned_on_self(base):
+            return True
+    return False
+
+
+def _load_class(module: str, qualname: str) -> type | None:
+    """The class `qualname` of the module `module`, or None where it cannot be had."""
+    if not qualname:
+        return None
+    try:
+        target = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        return None
+    return target if isinstance(target, type) else None
+
+
+def inherited_privates(
+    trees: dict[str, ast.AST], load_class=_load_class
+) -> list[tuple[str, int, str, list[str]]]:
+    """(module, line, name, the other modules defining it) for each `self._name` read where
+    `_name` is defined in other modules of `trees` (module name -> tree) only, and by no
+    base class of another library."""
+    defined = {module: own_names(tree) for module, tree in trees.items()}
+    found = []
+    for module, tree in trees.items():
+        for line, name, qualname in _self_reads(tree):
+            if name in defined[module]:
+                continue
+            elsewhere = sorted(other for other, names in defined.items() if name in names)
+            if not elsewhere:
+                continue  # Another library's, through self: the rule above.
+            cls = load_class(module, qualname)
+            if _defined_by_a_library_base(cls, name):
+                continue
+            # Where the class inherits it from, where that can be told; else every candidate.
+            bases = {base.__module__ for base in (cls.__mro__[1:] if cls else ())}
+            found.append((module, line, name, [m for m in elsewhere if m in bases] or elsewhere))
+    return found
+
+
+def _our_modules() -> dict[str, tuple[str, ast.AST]]:
+    """Module name -> (its file, its tree), for every module outside the internals modules."""
+    return {
+        _module_name(path.relative_to(ROOT)).removesuffix(".__init__"): (
+            path.relative_to(ROOT).as_posix(),
+            ast.parse(path.read_text(), str(path)),
+        )
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in INTERNALS
+    }
+
+
+def test_our_privates_stay_home():
+    modules = _our_modules()
+    on_other_objects = [
+        f"{file}:{line}: {name} ({obj})"
+        for file, tree in modules.values()
+        for line, name, obj in accesses(tree)
+    ]
+    inherited = [
+        f"{modules[module][0]}:{line}: self.{name} (defined in {', '.join(elsewhere)} only)"
+        for module, line, name, elsewhere in inherited_privates(
+            {module: tree for module, (_, tree) in modules.items()}
+        )
+    ]
+    assert not on_other_objects + inherited, (
+        "Private names of ours read outside the object or the module they belong to: give "
+        "each a public name (a property, a method) or move the code that reads it:\n  "
+        + "\n  ".join(on_other_objects + inherited)
+    )
+
+
+def test_the_stricter_walk_finds_reads_on_other_objects_of_the_same_class():
+    """What the module rule leaves (a class's own names, on a copy of itself, on its type)."""
+    tree = ast.parse(
+        textwrap.dedent(
+            """
+            class Schedule:
+                _decay = staticmethod(abs)
+
+                def __init__(self):
+                    self._total = 0
+
+                def with_total_steps(self, total):
+                    bound = copy.copy(self)
+                    bound._total = total
+                    return type(self)._decay(bound._total)
+            """
+        )
+    )
+    assert violations(pathlib.Path("x.py"), ast.unparse(tree), set()) == []
+    assert sorted((name, obj) for _, name, obj in accesses(tree)) == [
+        ("_decay", "type(self)"),
+        ("_total", "bound"),
+        ("_total", "bound"),
+    ]
+
+
+def test_the_stricter_walk_finds_inherited_privates_but_not_keras_own():
+    base = """
+        class Base:
+            _table = ()
+
+            def __init__(self):
+                self._total = 1
+                self._model = None
+        """
+    sub = """
+        import keras
+        from keras_accel.x.base import Base
+
+        class Sub(Base):
+            def value(self):
+                return self._total, self._table, getattr(self, "_total"), self._mine
+
+            def _mine(self):
+                return self._total
+
+        class Hook(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                return self._model
+        """
+    namespace = {"keras": __import__("keras")}
+    exec(
+        textwrap.dedent(sub).replace("from keras_accel.x.base import Base", ""),
+        {**namespace, "Base": type("Base", (), {})},
+        namespace,
+    )
+    trees = {
+        "keras_accel.x.base": ast.parse(textwrap.dedent(base)),
+        "keras_accel.x.sub": ast.parse(textwrap.dedent(sub)),
+    }
+    found = inherited_privates(trees, lambda module, qualname: namespace.get(qualname))
+    assert [(module, name) for module, _, name, _ in found] == [
+        ("keras_accel.x.sub", "_total"),
+        ("keras_accel.x.sub", "_table"),
+        ("keras_accel.x.sub", "_total"),
+        ("keras_accel.x.sub", "_total"),
+    ]
