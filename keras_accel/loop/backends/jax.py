@@ -19,6 +19,9 @@ from keras_accel.data.sources import (
     PyDatasetBatches,
     refuse_preprocessing,
 )
+from keras_accel.loop.batches import StepGroup
+from keras_accel.loop.losses import per_example_losses
+from keras_accel.loop.metrics import metric_updates
 
 
 class Steps:
@@ -58,8 +61,6 @@ class Steps:
         """`StepGroup`s of n batches: stacked on the host, placed in one transfer (the batch
         axis sharded as for one batch), with a `valid` flag per slot; a last, short group is
         filled with copies that the fused step skips, so every group has one shape."""
-        from keras_accel.loop import StepGroup
-
         local = getattr(batches, "own_files", None) is not None
         chunk = []
         for element in self._host_batches(batches):
@@ -214,8 +215,6 @@ class Steps:
 
     def _train_fn(self, state, batch):
         self.traces["train"] += 1
-        from keras_accel.loop import per_example_losses
-
         loop = self.loop
         trainable, non_trainable, optimizer_vars, metric_vars = state
         x, y, weights, mask = unpack(batch)
@@ -236,8 +235,6 @@ class Steps:
 
     def _test_fn(self, state, batch):
         self.traces["test"] += 1
-        from keras_accel.loop import per_example_losses
-
         trainable, non_trainable, metric_vars = state
         x, y, weights, mask = unpack(batch)
         y_pred, _ = self._forward(trainable, non_trainable, x, mask, False)
@@ -254,8 +251,6 @@ class Steps:
 
     def _update_metrics(self, metric_vars, y, y_pred, per, weights, mask):
         """The metric state after one batch: `metric_updates`, applied statelessly."""
-        from keras_accel.loop import metric_updates
-
         updated, start = [], 0
         for metric, args, sample_weight in metric_updates(self.loop, y, y_pred, per, weights, mask):
             count = len(metric.variables)

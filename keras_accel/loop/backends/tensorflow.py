@@ -18,6 +18,9 @@ from keras_accel.adapter.steps import ROW_MASK
 from keras_accel.data import tfdata
 from keras_accel.data.batching import unpack
 from keras_accel.data.sources import ArrayBatches, IterableBatches, PyDatasetBatches
+from keras_accel.loop.batches import StepGroup
+from keras_accel.loop.losses import per_example_losses
+from keras_accel.loop.metrics import update_metrics
 
 
 class Steps:
@@ -44,8 +47,6 @@ class Steps:
     def groups(self, batches, training: bool, n: int):
         """`StepGroup`s over one iterator of the distributed pipeline: each holds how many
         batches its fused call reads from it (n, fewer for the epoch's last group)."""
-        from keras_accel.loop import StepGroup
-
         iterator = iter(self.distributed(batches, training))
         if batches.plan.num_batches is None:
             raise ValueError(
@@ -167,8 +168,6 @@ class Steps:
             ROW_MASK.reset(token)
 
     def _train(self, batch):
-        from keras_accel.loop import per_example_losses, update_metrics
-
         loop = self.loop
         model = loop.model
         x, y, weights, mask = unpack(batch)
@@ -187,8 +186,6 @@ class Steps:
         update_metrics(loop, y, y_pred, per, weights, mask)
 
     def _test(self, batch):
-        from keras_accel.loop import per_example_losses, update_metrics
-
         x, y, weights, mask = unpack(batch)
         y_pred = self._forward(x, mask, training=False)
         per = per_example_losses(self.loop.loss, y, y_pred, weights)

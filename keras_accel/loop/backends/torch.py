@@ -31,6 +31,9 @@ from keras_accel.data.sources import (
     PyDatasetBatches,
     refuse_preprocessing,
 )
+from keras_accel.loop.batches import StepGroup
+from keras_accel.loop.losses import per_example_losses
+from keras_accel.loop.metrics import update_metrics
 
 
 class Steps:
@@ -51,8 +54,6 @@ class Steps:
 
     def groups(self, batches, training: bool, n: int):
         """`StepGroup`s of up to n batches, run one after the other (eager steps)."""
-        from keras_accel.loop import StepGroup
-
         chunk = []
         for batch in self.distribute(batches, training):
             chunk.append(batch)
@@ -127,8 +128,6 @@ class Steps:
         return total[0]
 
     def train(self, batch) -> None:
-        from keras_accel.loop import per_example_losses
-
         loop = self.loop
         model = loop.model
         self.traces["train"] = self.traces.get("train", 0) + 1
@@ -153,8 +152,6 @@ class Steps:
                              per.detach(), weights, mask)  # fmt: skip
 
     def test(self, batch) -> None:
-        from keras_accel.loop import per_example_losses
-
         x, y, weights, mask = unpack(batch)
         with torch.no_grad(), self._installed():
             y_pred = self._forward(x, mask, training=False)
@@ -184,8 +181,6 @@ class Steps:
     def _update_metrics(self, y, y_pred, per, weights, mask):
         # Keras's own metrics: each process's own rows; `reading()` sums the states over
         # the processes. Users' metrics (any state): the global batch's rows, gathered.
-        from keras_accel.loop import update_metrics
-
         with torch.no_grad():
             update_metrics(self.loop, y, y_pred, per, weights, mask, update=self._update)
 
