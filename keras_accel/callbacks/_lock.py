@@ -48,6 +48,15 @@ LOCK_NAME = ".lock"
 _HELD: dict[str, weakref.ref] = {}
 
 
+def check_timeout(timeout: float | None) -> None:
+    """A lock timeout is a positive number of seconds, or None (never stale by age)."""
+    if timeout is not None and not timeout > 0:
+        raise ValueError(
+            "`lock_timeout` must be a positive number of seconds, or None. "
+            f"Received: lock_timeout={timeout!r}"
+        )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -117,8 +126,8 @@ class DirectoryLock:
             return not (
                 other is not None
                 and other is not self
-                and other._running()
-                and keras_internals.callback_model(other._owner()) is not owner_model
+                and other.running()
+                and keras_internals.callback_model(other.owner()) is not owner_model
             )
         if same_host and isinstance(pid, int):
             return not _pid_alive(pid)
@@ -190,7 +199,11 @@ class DirectoryLock:
         self._last_beat = time.monotonic()
         return True
 
-    def _running(self) -> bool:
+    def owner(self):
+        """The callback this lock is held for (None once it is gone)."""
+        return self._owner()
+
+    def running(self) -> bool:
         """Whether the owner is alive and its fit is running now."""
         in_fit = self._in_fit()
         return self._owner() is not None and in_fit is not None and in_fit()

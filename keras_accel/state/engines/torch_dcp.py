@@ -108,14 +108,21 @@ class Engine:
         return {"process_group": _group()}
 
     # ------------------------------------------------------------------ saving
+    def finish_writing(self) -> None:
+        """Block until the save in flight, if any, has finished, leaving its outcome (an
+        error) for this engine's own `wait` to raise."""
+        pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending[1]])
+
     def save(self, step: int, variables: dict, meta: dict) -> None:
         self.wait()  # One save in flight at a time; the previous one is committed first.
         # And one in the process: the engines of one process share their group, whose
         # collectives must come in the same order everywhere (another engine's error stays
         # for its own wait to raise).
         for other in list(_SAVING):
-            if other is not self and other._pending is not None:
-                concurrent.futures.wait([other._pending[1]])
+            if other is not self:
+                other.finish_writing()
         path = self.path(step)
         if process.is_chief():
             try:
