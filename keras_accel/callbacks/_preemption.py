@@ -31,6 +31,7 @@ import signal
 import threading
 
 from keras_accel.utils import process
+from keras_accel.utils.printing import print_msg
 
 
 class Preempted(SystemExit):
@@ -46,6 +47,19 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def preempted(backup_dir: str, path: str | None) -> Preempted:
+    """What ends a fit that SIGTERM reached, once its backup is on disk (printed too:
+    SystemExit prints nothing of its own); `path` the backup saved, None when the last one
+    is the one the run restored."""
+    where = f"saved {path}" if path else "the last backup is the one this run restored"
+    message = (
+        f"BackupAndRestore: SIGTERM (preemption) reached every process; {where}. The next "
+        f"run with backup_dir={backup_dir!r} resumes from it."
+    )
+    print_msg(message)
+    return Preempted(message)
 
 
 _calls = 0  # One count per process: the sync point needs ids that only grow.

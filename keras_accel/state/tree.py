@@ -99,6 +99,21 @@ def _seed_owners(model) -> dict[int, str]:
     return {key: name for key, (name, _) in owners.items()}
 
 
+def built_variables(model) -> dict[str, keras.Variable]:
+    """`variables(model)` once the optimizer is built: its variables are saved and restored
+    too."""
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    return variables(model)
+
+
+def keyed_as(model, state: dict[str, keras.Variable], saved: dict) -> dict[str, keras.Variable]:
+    """`state` (the variables of `model`) under the keys of a backup's manifest `saved`:
+    older backups keyed seed states by Keras's creation-ordered names (`readable`); a model
+    built again in this Python session has Keras's next automatic names (`renumbered`)."""
+    return renumbered(readable(state, variables(model, legacy=True), saved), saved)
+
+
 def readable(
     state: dict[str, keras.Variable], legacy: dict[str, keras.Variable], saved: dict
 ) -> dict[str, keras.Variable]:

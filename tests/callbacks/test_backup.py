@@ -218,7 +218,7 @@ def test_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path):
     _shift(model, 1.0)
     damaged = backup.save(2, 0)
     backup.on_train_end()
-    target = _damage(backup._open().files(int(_step(damaged)))[0])
+    target = _damage(backup._backups.open().files(int(_step(damaged)))[0])
     size = os.path.getsize(target)
 
     other = _fresh(seed=4)
@@ -304,7 +304,7 @@ def test_nothing_usable_is_an_error_and_nothing_is_deleted(tmp_path):
     _start(backup, _fresh())
     path = backup.save(1, 0)
     backup.on_train_end()
-    arrays, record = backup._open().files(int(_step(path)))
+    arrays, record = backup._backups.open().files(int(_step(path)))
     target = _damage(arrays)
     before = sorted(os.listdir(tmp_path))
     restored = BackupAndRestore(str(tmp_path))
@@ -444,7 +444,7 @@ def test_a_failing_save_is_a_clear_error_and_the_previous_backups_survive(tmp_pa
     model = _fresh()
     _start(backup, model)
     first = backup.save(1, 0)
-    engine = backup._open()
+    engine = backup._backups.open()
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -472,7 +472,7 @@ def test_a_background_save_that_fails_is_reported_by_the_next_wait(tmp_path, mon
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
     _start(backup, _fresh())
     backup.save(1, 0)
-    engine = backup._open()
+    engine = backup._backups.open()
     real_wait = engine.wait
     real_wait()
 
@@ -653,7 +653,7 @@ def test_keras_attribute_names(tmp_path):
     # second epoch), and after batch 6, the end of the second epoch (saved as epoch 3's start).
     backup.wait()
     assert [int(_step(p)) for p in backup.checkpoints()] == [2, 4, 6]
-    engine = backup._open()
+    engine = backup._backups.open()
     assert (backup._weights_path, backup._training_metadata_path) == engine.files(6)
     assert (backup._prev_weights_path, backup._prev_training_metadata_path) == engine.files(4)
     assert all(os.path.exists(p) for p in engine.files(4) + engine.files(6))
@@ -924,7 +924,7 @@ def test_backups_that_keyed_seed_states_by_keras_numbers_are_still_read(tmp_path
     backup.save(1, 0)
     backup.on_train_end()
     monkeypatch.setattr(tree, "variables", variables)
-    manifest = backup._open().read_meta(3)["manifest"]
+    manifest = backup._backups.open().read_meta(3)["manifest"]
     assert "model/seed_generator_1/seed_generator_state" in manifest
     keras.backend.clear_session(free_memory=False)
     same = _named(FIRST)

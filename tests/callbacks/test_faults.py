@@ -326,6 +326,7 @@ def test_across_processes_a_damaged_step_moves_between_two_barriers(
     process has read it (a barrier), and none goes on before it is gone (another): here the
     barriers of a run of 2 processes, recorded with what the directory held at each."""
     from keras_accel.callbacks import backup as backup_module
+    from keras_accel.state import backups, recovery
     from keras_accel.utils import process
 
     backup_dir = str(tmp_path / "backup")
@@ -338,7 +339,8 @@ def test_across_processes_a_damaged_step_moves_between_two_barriers(
     two = types.SimpleNamespace(**vars(process))
     two.num_processes = lambda: 2
     two.barrier = lambda name, model=None: met.append((name, sorted(os.listdir(backup_dir))))
-    monkeypatch.setattr(backup_module, "process", two)
+    for module in (backup_module, backups, recovery):  # The callback and its protocol.
+        monkeypatch.setattr(module, "process", two)
     with pytest.warns(UserWarning, match="is damaged"):
         resumed = fit(model(), BackupAndRestore(backup_dir, delete_checkpoint=False))
     monkeypatch.undo()

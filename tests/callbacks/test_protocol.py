@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from keras_accel.callbacks import BackupAndRestore, History, RunContext, run_context
-from keras_accel.callbacks import backup as backup_module
+from keras_accel.callbacks import (
+    BackupAndRestore,
+    History,
+    RunContext,
+    _callback_states,
+    run_context,
+)
+from keras_accel.state import record as backup_record
 from tests.helpers import Interrupt, compiled_mlp, data
 
 DEVICES = 2  # What is checked is the host loop, not the step.
@@ -207,7 +213,7 @@ def test_two_callbacks_with_one_state_key_are_refused(tmp_path):
     backup = BackupAndRestore(str(tmp_path / "other"), delete_checkpoint=False)
     a, b = _Counter("a"), _Counter("b")
     _fresh().fit(x, y, epochs=1, verbose=0, callbacks=[backup, a, b])
-    meta = backup._open().read_meta(backup._open().steps()[-1])
+    meta = backup._backups.open().read_meta(backup._backups.open().steps()[-1])
     assert meta["version"] == 3
     assert meta["callbacks"]["a"] == {"batches": 2} and meta["callbacks"]["b"] == {"batches": 2}
     assert "History" not in meta["callbacks"]  # Keras's own History has no state_dict.
@@ -231,18 +237,16 @@ def test_a_version_2_backup_gives_its_history_record_to_the_history():
     record.finish_epoch(0, {"loss": 1.0})
     backup = BackupAndRestore("/tmp/unused-keras-accel-protocol")
     history, counter = History(), _Counter()
-    backup._fit_callbacks = [weakref.ref(c) for c in (backup, history, counter)]
+    others = [weakref.ref(c) for c in (backup, history, counter)]
     saved = json.loads(json.dumps(record.to_dict()))
-    backup._load_callback_states({"version": 2, "history": saved})
+    stateful = _callback_states.stateful(backup, None, others)
+    _callback_states.load({"version": 2, "history": saved}, stateful)
     assert history.epoch == [0] and history.history["loss"] == [1.0]
     assert counter.loaded is None
-    backup_module._OPEN.pop(backup.backup_dir, None)
 
 
 def test_a_backup_of_a_later_format_is_refused_before_anything_is_restored():
-    backup = BackupAndRestore("/tmp/unused-keras-accel-protocol-version")
-    backup._check_version({"version": 3}, "b/12")  # This format: read.
+    backup_record.check_version({"version": 3}, "b/12")  # This format: read.
     with pytest.raises(ValueError, match=r"'b/12' is of format version 99, written by keras_accel"
                        r" 9.0; this keras_accel reads versions up to 3. Upgrade"):  # fmt: skip
-        backup._check_version({"version": 99, "keras_accel_version": "9.0"}, "b/12")
-    backup_module._OPEN.pop(backup.backup_dir, None)
+        backup_record.check_version({"version": 99, "keras_accel_version": "9.0"}, "b/12")

@@ -184,7 +184,7 @@ def test_a_damaged_latest_backup_is_skipped_for_the_one_before(tmp_path):
     model.layers[0].kernel.assign(model.layers[0].kernel.numpy() + 1.0)
     backup.save(2, 0)
     backup.on_train_end()
-    arrays = backup._open().files(6)[0]
+    arrays = backup._backups.open().files(6)[0]
     with open(arrays, "r+b") as f:
         f.truncate(os.path.getsize(arrays) // 3)
 
