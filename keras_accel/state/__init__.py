@@ -10,5 +10,14 @@
 - `keras_accel.state.keras_writers`: Keras's own file-writing callbacks, the chief's files
   only over several processes.
 
-`keras_accel.callbacks.BackupAndRestore` is the user-facing side; see docs/callbacks.md.
+The backups of `keras_accel.callbacks.BackupAndRestore`, which is their Keras-facing shell
+(docs/callbacks.md), each part in its own module:
+
+- `keras_accel.state.schedule`: when a backup is due, and its number;
+- `keras_accel.state.backups`: one directory's backups on its engine: save, wait, list,
+  delete;
+- `keras_accel.state.record`: the JSON record each backup commits with its arrays;
+- `keras_accel.state.recovery`: the newest intact backup restored, damaged ones set aside;
+- `keras_accel.state.keras_backups`: resuming from `keras.callbacks.BackupAndRestore`'s files;
+- `keras_accel.state.faults`: what a failed write or a damaged backup says, on every engine.
 """
