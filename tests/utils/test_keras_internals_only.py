@@ -366,14 +366,17 @@ def _self_reads(tree: ast.AST) -> list[tuple[int, str, str]]:
     body (the innermost class; a class made inside a function has no qualified name: "")."""
     found = []
 
-    def visit(node: ast.AST, qualname: str) -> None:
+    def visit(node: ast.AST, qualname: str | None, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
-                nested = qualname and f"{qualname}.{child.name}"
-                visit(child, child.name if isinstance(node, ast.Module) else nested)
+                if in_function:
+                    inner = ""  # Made inside a function: no qualified name to load it by.
+                else:
+                    inner = child.name if qualname is None else f"{qualname}.{child.name}"
+                visit(child, inner, False)
                 continue
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child, qualname if qualname else "")
+                visit(child, qualname, True)
                 continue
             if qualname is not None and isinstance(child, ast.Attribute):
                 if (
@@ -393,10 +396,10 @@ def _self_reads(tree: ast.AST) -> list[tuple[int, str, str]]:
                     and _private(child.args[1].value)
                 ):
                     found.append((child.lineno, child.args[1].value, qualname))
-            visit(child, qualname)
+            visit(child, qualname, in_function)
 
-    visit(tree, None)
-    return [read for read in found if read[2] is not None]
+    visit(tree, None, False)
+    return found
 
 
 @functools.cache
