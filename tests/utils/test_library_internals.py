@@ -1,5 +1,5 @@
 """The private names of Python, torch, TensorFlow, JAX and Grain that keras_accel relies on
-(keras_accel/utils/library_internals.py): each present in the installed version, and a missing
+(keras_accel/utils/library_internals/): each present in the installed version, and a missing
 one is an error that names the library, its version and the name, or the public path its
 entry names, never a silent change."""
 

@@ -1,0 +1,115 @@
+"""TensorFlow's own (not Keras's): tf.data's distribution ops (`_AutoShardDataset`,
+`compute_batch_size`), the device data sets of a `MultiDeviceIterator`, and a concrete
+function's flat call."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+
+from keras_accel.utils.library_internals.lookup import Internal, find, find_optional
+
+_AUTO_SHARD_DATASET = Internal(
+    "TensorFlow",
+    "tensorflow.python.data.experimental.ops.distribute",
+    "_AutoShardDataset",
+    "what tf.distribute applies to shard a pipeline by its files, so that each process "
+    "reads only its own files",
+    fallback="every process reads the whole pipeline and keeps its own rows",
+)
+_COMPUTE_BATCH_SIZE = Internal(
+    "TensorFlow",
+    "tensorflow.python.data.experimental.ops.distribute",
+    "compute_batch_size",
+    "a pipeline's batch size read from its graph without reading data (what Keras's "
+    "multi-process distribute_dataset uses)",
+    fallback="one batch is read to see its size",
+)
+_CREATE_DEVICE_DATASET = Internal(
+    "TensorFlow",
+    "tensorflow.python.data.ops.multi_device_iterator_ops",
+    "_create_device_dataset",
+    "each device's data set of a tf.distribute iterator, made without tf.data's autotuning thread",
+    fallback="the device data sets as TensorFlow makes them (a wait, never a number)",
+)
+_CALL_FLAT = Internal(
+    "TensorFlow",
+    "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction",
+    "_call_flat",
+    "calling a traced function with its flat tensor inputs: a group of steps on one "
+    "device is one call, and the public call's signature handling took 0.2 ms of it "
+    "(a small model's group of 32 steps runs in about 1 ms)",
+    fallback="the public call with the same inputs (the same numbers, 0.2 ms a call more)",
+)
+INTERNALS = [_AUTO_SHARD_DATASET, _COMPUTE_BATCH_SIZE, _CREATE_DEVICE_DATASET, _CALL_FLAT]
+
+
+def tf_call_concrete(concrete, inputs: list):
+    """`concrete(*inputs)` for a concrete function whose inputs are exactly `inputs`, flat
+    tensors in its signature's order, without the public call's signature handling."""
+    if not _has_call_flat():
+        return concrete(*inputs)
+    return concrete._call_flat(inputs, concrete.captured_inputs)
+
+
+@functools.lru_cache(maxsize=1)
+def _has_call_flat() -> bool:
+    return find_optional(_CALL_FLAT) is not None
+
+
+def tf_auto_shard_dataset() -> type:
+    """TensorFlow's `_AutoShardDataset` (what `tf.distribute` applies to shard a pipeline by
+    its files; no public name reaches it). Raises `LibraryInternalsError` where missing: the
+    caller falls back to every process reading the whole pipeline."""
+    return find(_AUTO_SHARD_DATASET)
+
+
+def tf_compute_batch_size(dataset) -> int | None:
+    """The batch size of a tf.data pipeline's `batch` transformation, read from its graph
+    without reading data; None where unknown (or this TensorFlow cannot tell)."""
+    compute = find_optional(_COMPUTE_BATCH_SIZE)
+    if compute is None:
+        return None
+    try:
+        size = int(compute(dataset))
+    except Exception:  # Not a pipeline this TensorFlow can analyse.
+        return None
+    return size if size > 0 else None
+
+
+_DEVICE_DATASETS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def tf_device_datasets_without_autotune():
+    """While open, each device's data set of a `tf.distribute` iterator made on any thread
+    runs without tf.data's autotuning thread (`keras_accel.adapter.backends.tensorflow.
+    runtime.Distributed` says why); everything else about them is TensorFlow's.
+
+    TensorFlow's `MultiDeviceIterator` builds them in `multi_device_iterator_ops.
+    _create_device_dataset` (a generator over the host iterator and a prefetch, with default
+    options). A TensorFlow without it leaves them as they are: it costs the wait, it changes
+    no number. The module's name is restored on the way out."""
+    if find_optional(_CREATE_DEVICE_DATASET) is None:
+        yield
+        return
+    import tensorflow as tf
+
+    module = sys.modules[_CREATE_DEVICE_DATASET.module]
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    # One thread at a time, and the original read under the lock: a thread that read it
+    # while another's replacement was in place would put that replacement back for good.
+    with _DEVICE_DATASETS_LOCK:
+        original = module._create_device_dataset
+
+        def without_autotune(*args, **kwargs):
+            return original(*args, **kwargs).with_options(options)
+
+        module._create_device_dataset = without_autotune
+        try:
+            yield
+        finally:
+            module._create_device_dataset = original
