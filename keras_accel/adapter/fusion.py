@@ -156,6 +156,52 @@ def choose(
     return limit, why
 
 
+def steps_per_call(
+    requested,
+    runtime,
+    model,
+    kind: str,
+    steps: int | None,
+    callbacks,
+    verbose,
+    validating: bool = False,
+    divides: int | None = None,
+    batches=None,
+) -> int:
+    """N, the steps per host call of one call of `model` (`choose`), within what the
+    backend's trainer runs per call (`runtime.max_steps_per_execution`) and dividing fit's
+    `validation_steps` (`divides`); said once where the call prints (`note`)."""
+    n, why = choose(
+        requested,
+        model,
+        kind,
+        steps,
+        callbacks,
+        validating=validating,
+        fuse_predictions=runtime.fuses_predictions(model),
+        batch_bytes=getattr(batches, "batch_bytes", None),
+    )
+    chosen = why.startswith(("compile(", "Accelerator("))
+    limit = runtime.max_steps_per_execution
+    backend = keras.backend.backend()
+    if limit is not None and n > limit:
+        if why.startswith("Accelerator("):
+            raise ValueError(
+                f"Keras's {backend} trainer runs at most {limit} step per call. "
+                f"Received: Accelerator(steps_per_execution={n}). Use "
+                "steps_per_execution='auto' (or 1) on this backend."
+            )
+        if not chosen:  # compile()'s own value: Keras says what it takes.
+            n, why = limit, f"auto: Keras's {backend} trainer runs one step per call"
+    if divides and not chosen and n > 1 and divides % n:
+        # Keras validates with fit's steps_per_execution: a group of N steps must not
+        # read past `validation_steps`.
+        n = math.gcd(n, int(divides))
+        why = f"{why}; dividing validation_steps={divides}"
+    note(model, n, why, 1 if verbose == "auto" else verbose)
+    return n
+
+
 def _size(count: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= scale:

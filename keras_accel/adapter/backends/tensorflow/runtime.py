@@ -313,7 +313,7 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     `tf.distribute.DistributedDataset` as it is.
 
     `keras_accel_local` is the source, what the model is built from
-    (`keras_accel.adapter.accelerator._first_batch`)."""
+    (`keras_accel.adapter.inputs.first_batch`)."""
 
     feeds = "TensorFlow's trainer"
     # Its batch count is Keras's adapter's, made inside Keras's call: our CallbackList
@@ -386,7 +386,7 @@ class GroupedBatches(PaddedBatchesAdapter):
         return self.batches.plan.num_batches
 
     def keras_accel_first_batch(self):
-        # What `Accelerator` builds the model from (`_first_batch`): the first batch, as
+        # What `Accelerator` builds the model from (`inputs.first_batch`): the first batch, as
         # numpy (the same dtypes: numbers only here).
         return self.batches.batch(0)
 
@@ -494,7 +494,7 @@ class DistributedBatches(PaddedBatchesAdapter):
     slices, one element each.
 
     `keras_accel_local` is the undistributed pipeline, what the model is built from
-    (`keras_accel.adapter.accelerator._first_batch`)."""
+    (`keras_accel.adapter.inputs.first_batch`)."""
 
     feeds = "TensorFlow's trainer"
 

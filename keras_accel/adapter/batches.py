@@ -1,0 +1,182 @@
+"""The batches of one `fit`, `evaluate` or `predict`: the feeder's static batches
+(`keras_accel.adapter.feeder`), checked so that padding never changes a result. Padding rows
+reach the step weighted 0 where every loss and metric honours that
+(`keras_accel.adapter.exactness`); where it cannot (no targets, a `train_step` of the user's
+that is not given the weights, a loss or metric that ignores them) the last partial batch of
+training is dropped with a note saying why and how to keep it, and an evaluation that would
+count padding is refused, naming what would. Also each kind's `StepContract`: what its step
+is given."""
+
+from __future__ import annotations
+
+import warnings
+
+from keras_accel.adapter.exactness import inexact_under_padding
+from keras_accel.adapter.feeder import Feeder, user_stacklevel
+from keras_accel.adapter.pipeline import preprocessor, with_made_targets
+from keras_accel.adapter.steps import StepContract, honours_sample_weight, overrides
+from keras_accel.data import sources
+from keras_accel.utils import keras_internals
+
+
+class Batches:
+    """The batches of a call over `num_replicas` replicas, with the Accelerator's training
+    `remainder` policy (None: pad, or drop with a note where padding cannot be exact)."""
+
+    def __init__(self, feeder: Feeder, remainder: str | None, num_replicas: int):
+        self.feeder = feeder
+        self.remainder = remainder
+        self.num_replicas = num_replicas
+
+    def training(self, model, x, y, batch_size, shuffle, sample_weight, class_weight, kind):
+        """The training batches, with the remainder policy for steps that cannot be told
+        which rows are padding: without targets nothing weights padding out of a loss, and a
+        model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
+
+        def make(remainder):
+            batches = self.feeder.batches(
+                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True, kind
+            )
+            return with_made_targets(batches, preprocessor(model))
+
+        batches = make(self.remainder or "pad")
+        builtin = not overrides(model, "train")
+        if builtin and not batches.has_targets and keras_internals.compile_loss(model):
+            raise ValueError(
+                f"{type(model).__name__} was compiled with a loss, which needs targets, but "
+                "fit got none. Received: y=None. Pass y (or a data set that yields (x, y)), "
+                "or compile without `loss=` if the model adds its own losses (add_loss)."
+            )
+        # A step of the user's is given padding rows (weighted 0) if it honours weights.
+        custom = not builtin and not batches.weighted and not honours_sample_weight(model)
+        blind = not batches.has_targets or custom
+        if not blind and batches.plan.pads and builtin:
+            return self._exact_training(model, batches, make)
+        if not blind or not batches.plan.pads:
+            return batches
+        plan = batches.plan
+        reason = (
+            "there are no targets to weight padding rows out of the loss"
+            if not batches.has_targets
+            else f"{type(model).__name__} overrides train_step and gets (x, y) batches"
+        )
+        if self.remainder is None and plan.static_rows == plan.batch_size:
+            return _dropped(
+                make,
+                plan,
+                f"{reason}, so the last partial batch",
+                "Pass Accelerator(remainder='pad') to feed it padded, weighted 0 in "
+                "sample_weight, or a batch_size that divides the data.",
+            )
+        if self.remainder == "pad" and batches.has_targets:
+            return batches  # Asked for: padding reaches the step as sample_weight 0.
+        raise ValueError(
+            f"keras_accel: {reason}, but {plan.describe()} over {self.num_replicas} replicas "
+            f"{'need' if plan.num_samples is not None else 'may need'} padding rows in "
+            f"{'every batch' if plan.static_rows != plan.batch_size else 'the last batch'}. "
+            f"Use a batch_size that is a multiple of {self.num_replicas}"
+            + (" (the last partial batch is then dropped)" if batches.has_targets else "")
+            + (
+                ", or Accelerator(remainder='pad') to pass padding rows to the step with "
+                "sample_weight 0 (the step must honour sample_weight)."
+                if batches.has_targets
+                else "; and pass y, or remainder='drop'."
+            )
+        )
+
+    def evaluation(self, model, x, y, batch_size, sample_weight, kind, name: str, call: str):
+        """Every row of `x` once, the last batch padded, for `evaluate` (or fit's validation:
+        `name` is the argument, `call` what the refusal names): refused where padding would
+        count in the loss or a metric, or where there are no targets to weight it out."""
+        batches = self.feeder.batches(
+            x, y, batch_size, False, sample_weight, None, False, None, True, kind
+        )
+        batches = with_made_targets(batches, preprocessor(model))
+        _check_evaluation(batches, name)
+        self._check_exact(model, batches, call)
+        return batches
+
+    def prediction(self, x, batch_size, kind):
+        """Every row of `x` once, the last batch padded (the row mask says which are real)."""
+        return self.feeder.batches(x, None, batch_size, False, None, None, False, None, True, kind)
+
+    def contract(self, batches) -> StepContract:
+        """What the step of `batches` is given: weights where there are targets and either
+        the user's weights or padding."""
+        plan = batches.plan
+        if plan.static_rows != plan.batch_size:
+            padding = f", each padded to {plan.static_rows} rows for {self.num_replicas} replicas"
+        else:
+            padding = f" over {self.num_replicas} replica(s)"
+        return StepContract(
+            pass_weights=batches.has_targets and (batches.weighted or plan.pads),
+            user_weighted=batches.weighted,
+            padded=plan.pads,
+            description=f"{plan.describe()}{padding}",
+        )
+
+    def _exact_training(self, model, batches, make):
+        """Padded training batches, unless a loss or metric of the user's cannot weight the
+        padding rows out (`keras_accel.adapter.exactness`): then the last partial batch is
+        dropped with a note, where dropping it removes all padding, or the fit is refused."""
+        found = inexact_under_padding(model, sources.sample_batch(batches))
+        if not found:
+            return batches
+        plan = batches.plan
+        if self.remainder is None and plan.static_rows == plan.batch_size:
+            return _dropped(
+                make,
+                plan,
+                f"{'; '.join(found)}, so padding rows would change it: the last partial batch",
+                "Every batch is then exact. Honour sample_weight (or return one loss per "
+                "row) to keep it.",
+            )
+        raise ValueError(_inexact_message(found, plan, self.num_replicas, "training"))
+
+    def _check_exact(self, model, batches, name: str) -> None:
+        """Evaluation must see every row: a loss or metric that padding would make inexact
+        is refused, naming it (see `keras_accel.adapter.exactness`)."""
+        if not batches.plan.pads or not batches.has_targets or overrides(model, "test"):
+            return
+        found = inexact_under_padding(model, sources.sample_batch(batches))
+        if found:
+            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{name}`"))
+
+
+def _dropped(make, plan, what: str, advice: str):
+    """Training batches without the last partial batch, with a one-line note saying why
+    (`what` ends in "the last partial batch") and how to keep it."""
+    dropped = make("drop")
+    if plan.num_samples is None:  # A stream: a partial batch is known only when it comes.
+        detail = f"of {plan.describe()}, if it has one,"
+    else:
+        rows = plan.num_samples - dropped.plan.rows_seen
+        detail = f"({rows} of {plan.num_samples} rows, a new draw every epoch when shuffling)"
+    warnings.warn(
+        f"keras_accel: {what} {detail} is dropped (remainder='drop'). {advice}",
+        stacklevel=user_stacklevel(),
+    )
+    return dropped
+
+
+def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> str:
+    return (
+        f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.describe()} "
+        f"over {num_replicas} replicas), so the result "
+        "would count padding rows, where plain Keras is exact. Make the loss return one "
+        "value per row and the metric honour sample_weight, or use a batch_size that is a "
+        f"multiple of {num_replicas} and divides the number of rows, so that nothing is padded."
+    )
+
+
+def _check_evaluation(batches, name: str) -> None:
+    if not batches.has_targets and batches.plan.pads:
+        plan = batches.plan
+        raise ValueError(
+            f"Without targets, padding rows cannot be weighted out of an evaluation, but "
+            f"`{name}` is {plan.describe()}, which "
+            f"{'need' if plan.num_samples is not None else 'may need'} padding over the "
+            "replicas. Pass targets, or a batch_size that divides the number of rows and is "
+            "a multiple of the replica count (for a tf.data.Dataset, "
+            "`batch(n, drop_remainder=True)` with such an n)."
+        )
