@@ -165,6 +165,14 @@ class RunContext:
             )
         self._on_exit(function)
 
+    def begin(self, patches, kind: str, epochs=None, steps=None) -> None:
+        """The Accelerator's side (`begin_call`): this call's facts, and `call_on_exit`
+        routed to the call's undos, until `patches` are restored."""
+        patches.set(self, "kind", kind)
+        patches.set(self, "epochs", None if epochs is None else int(epochs))
+        patches.set(self, "steps", None if steps is None else int(steps))
+        patches.set(self, "_on_exit", patches.add)
+
     def __repr__(self) -> str:
         return (
             f"RunContext(kind={self.kind!r}, epochs={self.epochs}, steps={self.steps}, "
@@ -190,8 +198,5 @@ def begin_call(patches, model, kind: str, epochs=None, steps=None) -> RunContext
     if kind not in KINDS:
         raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
     context = run_context(model)
-    patches.set(context, "kind", kind)
-    patches.set(context, "epochs", None if epochs is None else int(epochs))
-    patches.set(context, "steps", None if steps is None else int(steps))
-    patches.set(context, "_on_exit", patches.add)
+    context.begin(patches, kind, epochs, steps)
     return context
