@@ -46,12 +46,17 @@ failed() {  # backend exit-status: pytest exits 5 when nothing was collected, a 
 
 status=0
 if [ "${#backends[@]}" -eq 1 ] || [ "${KERAS_ACCEL_TEST_SEQUENTIAL:-0}" = 1 ]; then
+  times=()
   for backend in "${backends[@]}"; do
     echo "=== KERAS_BACKEND=$backend, $(describe "$backend")"
+    began=$SECONDS
     run_backend "$backend" "$@"
     rc=$?
-    if failed "$backend" "$rc"; then status=1; fi
+    outcome=passed
+    if failed "$backend" "$rc"; then status=1; outcome=failed; fi
+    times+=("$backend $((SECONDS - began)) s ($outcome)")
   done
+  echo "=== lanes, one after the other: $(IFS=,; echo "${times[*]}" | sed 's/,/, /g')"
   exit $status
 fi
 
@@ -100,6 +105,7 @@ done
 set +m
 echo "=== ${lanes[*]} side by side (logs in $logs)"
 running=("${pids[@]}")
+times=()
 while [ "${#running[@]}" -gt 0 ]; do
   pid=
   wait -n -p pid "${running[@]}"
@@ -111,7 +117,12 @@ while [ "${#running[@]}" -gt 0 ]; do
   running=("${remaining[@]}")
   echo "=== KERAS_BACKEND=${backend%%-*} (${backend}), $(describe "${backend%%-*}"): ended after $((SECONDS - started)) s"
   cat "$logs/$backend.log"
-  if failed "$backend" "$rc"; then status=1; fi
+  outcome=passed
+  if failed "$backend" "$rc"; then status=1; outcome=failed; fi
+  times+=("$backend $((SECONDS - started)) s ($outcome)")
 done
 rm -rf "$logs"
+# Each lane's wall time, last, where CI's output ends: what the suite's time budget reads.
+elapsed=$((SECONDS - started))
+echo "=== lanes, side by side: $(IFS=,; echo "${times[*]}" | sed 's/,/, /g'); the suite: $((elapsed / 60)) min $((elapsed % 60)) s"
 exit $status
