@@ -87,7 +87,7 @@ def main() -> int:
         )
     seconds = time.perf_counter() - started
     predictions = loop.predict(x_test, batch_size=args.batch_size)
-    traces = dict(loop._backend.traces)
+    traces = loop.traces
     print(f"predict:  {predictions.shape[0]} rows of {predictions.shape[1]} probabilities")
     print(f"time:     {seconds:.1f} s for {args.epochs} epochs; compilations {traces}")
     return 0

@@ -192,6 +192,12 @@ class CustomLoop:
             )
 
     # ------------------------------------------------------------------ results
+    @property
+    def traces(self) -> dict[str, int]:
+        """How many times each step kind ("train", "test", "predict") has been traced
+        (compiled) so far: once each where every batch has the same static shape."""
+        return dict(self._backend.traces)
+
     def all_metrics(self) -> list:
         return [self.loss_tracker, *self.metrics, *self.weighted_metrics]
 

@@ -79,7 +79,7 @@ def test_loop_equals_plain_single_device_fit(devices):
     assert predictions.shape == (ROWS, 3)
     np.testing.assert_allclose(predictions, twin.predict(x, verbose=0), atol=1e-5)
     # One compilation per step kind, for every epoch and the padded last batch alike.
-    assert dict(loop._backend.traces) == {"train": 1, "test": 1, "predict": 1}
+    assert loop.traces == {"train": 1, "test": 1, "predict": 1}
 
 
 def test_loop_equals_accelerator_fit():
@@ -266,7 +266,7 @@ def test_step_groups_equal_single_steps(fuse):
         logs.append(loop.results())
         weights.append(model.get_weights())
         # One program per kind, the short last group included; every real step counted.
-        assert dict(loop._backend.traces) == {"train": 1, "test": 1}
+        assert loop.traces == {"train": 1, "test": 1}
         iterations = keras.ops.convert_to_numpy(loop.optimizer.iterations.value)
         assert int(np.reshape(iterations, -1)[0]) == 7 * EPOCHS
     assert_weights_close(weights[0], weights[1])
