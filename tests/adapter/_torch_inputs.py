@@ -15,14 +15,13 @@ import numpy as np
 import torch
 
 from keras_accel import Accelerator
-from keras_accel.adapter.backends import torch as torch_backend
-from keras_accel.adapter.backends import torch_metrics
+from keras_accel.adapter.backends import torch_collectives, torch_metrics
 
 # Small buckets, so that the backward pass sends several while it goes on (the default 25
 # MiB holds this whole model); each sent bucket is counted.
-torch_backend.BUCKET_BYTES = 64
+torch_collectives.BUCKET_BYTES = 64
 SENT = [0]
-_send = torch_backend.GradientBuckets._send
+_send = torch_collectives.GradientBuckets._send
 
 
 def _counted(self, index):
@@ -30,7 +29,7 @@ def _counted(self, index):
     return _send(self, index)
 
 
-torch_backend.GradientBuckets._send = _counted
+torch_collectives.GradientBuckets._send = _counted
 # Every reduction of metric state (one collective per dtype), counted.
 REDUCED = [0]
 _reduced_values = torch_metrics.reduced_values

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 import torch.distributed
 
-from keras_accel.adapter.backends import global_rows, torch_metrics, torch_rows
-from keras_accel.adapter.backends import torch as runtime_torch
+from keras_accel.adapter.backends import global_rows, torch_collectives, torch_metrics, torch_rows
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor
@@ -145,7 +144,7 @@ class Steps:
         variables = model.trainable_variables
         grads = [v.value.grad for v in variables]
         if self.world > 1:
-            grads = runtime_torch.average_gradients(grads)
+            grads = torch_collectives.average_gradients(grads)
         with torch.no_grad():
             loop.optimizer.apply(grads, variables)
         self._update_metrics(y, y_pred.detach() if hasattr(y_pred, "detach") else y_pred,
@@ -175,7 +174,7 @@ class Steps:
         order (each holds a contiguous share of the global batch)."""
         outputs, mask = self.predict(batch), unpack(batch)[3]
         if self.world > 1:
-            outputs, mask = runtime_torch.gather_rows((outputs, mask))
+            outputs, mask = torch_collectives.gather_rows((outputs, mask))
         return outputs, mask
 
     def _update_metrics(self, y, y_pred, per, weights, mask):
