@@ -15,6 +15,14 @@ docs/callbacks.md.
 They coordinate through a public protocol that users' own callbacks can take part in:
 `fusion_period`, `set_run_context` and `state_dict`/`load_state_dict` methods, and the
 model's `RunContext` (`run_context(model)`); see `keras_accel.adapter.protocol`.
+
+Modules: `backup` (`BackupAndRestore`, a Keras-facing shell over the backups of
+`keras_accel.state`), `checkpoint`, `history`, `learning_rate`; and, for them alone,
+`_lock` (the lock file that keeps two runs out of one backup directory), `_preemption`
+(a SIGTERM becomes a last backup), `_fits` (which fit holds each backup directory),
+`_resume` (where a restore puts a fit), `_callback_states` (the other callbacks' states in
+a backup), `_saving` (Keras model files written atomically, anywhere) and `_run` (the one
+fact two callbacks pass each other).
 """
 
 from keras_accel.adapter.protocol import RunContext, run_context
