@@ -264,12 +264,12 @@ class Accelerator:
     # ------------------------------------------------------------------ batch sizes
     def global_batch_size(self, per_replica: int) -> int:
         """Rows per step over all replicas for `per_replica` rows on each replica."""
-        _check_positive_int(per_replica, "per_replica")
+        check_positive_int("per_replica", per_replica)
         return per_replica * self.num_replicas
 
     def per_replica_batch_size(self, global_batch: int) -> int:
         """Rows each replica computes per step when a step takes `global_batch` rows."""
-        _check_positive_int(global_batch, "global_batch")
+        check_positive_int("global_batch", global_batch)
         if global_batch % self.num_replicas:
             low = max(global_batch // self.num_replicas, 1) * self.num_replicas
             raise ValueError(
@@ -587,7 +587,3 @@ def _default_batch_size(fit_batch_size, kind: str, batch_size):
     if batch_size is not None or kind != sources.ARRAYS:
         return batch_size
     return fit_batch_size
-
-
-def _check_positive_int(value, name: str) -> None:
-    check_positive_int(name, value)
