@@ -115,3 +115,43 @@ def test_the_pipeline_and_the_row_groups_hold_every_backends_batches(shuffle, we
         batches.on_epoch_end()
     if shuffle:  # Another epoch, another order.
         assert not np.array_equal(batches.epoch_indices(0), batches.epoch_indices(1))
+
+
+def test_an_epochs_iterator_is_made_only_when_read(monkeypatch, backend, num_devices):
+    """Keras's TF epoch iterator asks for an iterator at each epoch's start and again at its
+    end, which the next epoch drops unread; over 8 CPU replicas making one cost about 0.5 s
+    (`runtime.Distributed`): only the ones read are made, one per epoch for training and
+    one for each validation, and the fit is the one it was."""
+    if backend != "tensorflow" or num_devices < 2:
+        pytest.skip("TensorFlow's per-device iterators, over several replicas")
+    import keras
+    from tensorflow.python.data.ops import multi_device_iterator_ops as ops
+
+    from keras_accel import Accelerator
+
+    made = []
+    init = ops.OwnedMultiDeviceIterator.__init__
+
+    def counted(self, *args, **kwargs):
+        if kwargs.get("components") is None:  # Made, not rebuilt in a traced step.
+            made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ops.OwnedMultiDeviceIterator, "__init__", counted)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 3)).astype("float32"), rng.normal(size=(48, 1)).astype("float32")
+    acc = Accelerator(seed=0)
+
+    def build():
+        with acc.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        return model
+
+    history = acc.fit(build(), x[:32], y[:32], batch_size=16, epochs=3, verbose=0,
+                      validation_data=(x[32:], y[32:]))  # fmt: skip
+    assert len(made) == 3 + 3
+    assert len(history.history["val_loss"]) == 3
+    made.clear()  # Steps per epoch given: Keras reads on where the last epoch stopped.
+    acc.fit(build(), x[:32], y[:32], batch_size=16, epochs=4, steps_per_epoch=1, verbose=0)
+    assert len(made) == 2  # Two epochs of one step per pass of two batches.

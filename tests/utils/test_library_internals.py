@@ -3,6 +3,7 @@
 one is an error that names the library, its version and the name, or the public path its
 entry names, never a silent change."""
 
+import dataclasses
 import importlib.util
 import sys
 import threading
@@ -97,6 +98,43 @@ def test_device_datasets_are_restored_and_left_alone_where_missing(monkeypatch):
     monkeypatch.delattr(module, "_create_device_dataset")
     with library_internals.tf_device_datasets_without_autotune():
         assert not hasattr(module, "_create_device_dataset")
+
+
+def test_a_distributed_iterator_made_when_read_is_made_at_its_first_read(backend, monkeypatch):
+    if backend != "tensorflow":
+        pytest.skip("TensorFlow's tf.distribute iterators, on the TensorFlow run's devices")
+    import tensorflow as tf
+
+    from keras_accel.utils.library_internals import tensorflow_ops
+
+    strategy = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:2])
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+    made = []
+
+    def make():
+        made.append(iter(dataset))
+        return made[-1]
+
+    kind = type(iter(dataset))
+    first, second = (library_internals.tf_iterator_made_when_read(make, kind) for _ in "ab")
+    assert not made  # Asked for, not read: nothing made.
+    assert isinstance(first, tf.distribute.DistributedIterator)  # What Keras's step tests.
+
+    @tf.function
+    def read(iterator):
+        return strategy.gather(next(iterator), axis=0)
+
+    assert read(first).numpy().tolist() == [0, 1, 2, 3] and len(made) == 1
+    assert read(first).numpy().tolist() == [4, 5, 6, 7] and len(made) == 1  # It goes on.
+    assert read(second).numpy().tolist() == [0, 1, 2, 3] and len(made) == 2
+    assert read.experimental_get_tracing_count() == 1  # One signature: the real one's.
+    # Any other class, or a TensorFlow without this one, is made at once.
+    library_internals.tf_iterator_made_when_read(make, object)
+    assert len(made) == 3
+    missing = dataclasses.replace(tensorflow_ops._DISTRIBUTED_ITERATOR, name="Renamed")
+    monkeypatch.setattr(tensorflow_ops, "_DISTRIBUTED_ITERATOR", missing)
+    library_internals.tf_iterator_made_when_read(make, kind)
+    assert len(made) == 4
 
 
 def test_grain_batching_reads_a_batched_data_set():

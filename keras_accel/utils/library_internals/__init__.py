@@ -55,6 +55,7 @@ from keras_accel.utils.library_internals.tensorflow_ops import (
     tf_call_concrete,
     tf_compute_batch_size,
     tf_device_datasets_without_autotune,
+    tf_iterator_made_when_read,
 )
 
 INTERNALS: list[Internal] = [
@@ -103,4 +104,5 @@ __all__ = [
     "tf_call_concrete",
     "tf_compute_batch_size",
     "tf_device_datasets_without_autotune",
+    "tf_iterator_made_when_read",
 ]

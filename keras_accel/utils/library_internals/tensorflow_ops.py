@@ -1,6 +1,6 @@
 """TensorFlow's own (not Keras's): tf.data's distribution ops (`_AutoShardDataset`,
-`compute_batch_size`), the device data sets of a `MultiDeviceIterator`, and a concrete
-function's flat call."""
+`compute_batch_size`), the device data sets of a `MultiDeviceIterator`, a `tf.distribute`
+iterator made when first read, and a concrete function's flat call."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import contextlib
 import functools
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from keras_accel.utils.library_internals.lookup import Internal, find, find_optional
 
@@ -43,7 +45,23 @@ _CALL_FLAT = Internal(
     "(a small model's group of 32 steps runs in about 1 ms)",
     fallback="the public call with the same inputs (the same numbers, 0.2 ms a call more)",
 )
-INTERNALS = [_AUTO_SHARD_DATASET, _COMPUTE_BATCH_SIZE, _CREATE_DEVICE_DATASET, _CALL_FLAT]
+_DISTRIBUTED_ITERATOR = Internal(
+    "TensorFlow",
+    "tensorflow.python.distribute.input_lib",
+    "DistributedIterator",
+    "a tf.distribute iterator whose methods read its state from its attributes: one made "
+    "when first read is an instance of its class that makes the real one then and reads "
+    "that one's attributes",
+    fallback="each iterator is made when asked for, read or not (on 8 CPU replicas about "
+    "0.5 s each)",
+)
+INTERNALS = [
+    _AUTO_SHARD_DATASET,
+    _COMPUTE_BATCH_SIZE,
+    _CREATE_DEVICE_DATASET,
+    _DISTRIBUTED_ITERATOR,
+    _CALL_FLAT,
+]
 
 
 def tf_call_concrete(concrete, inputs: list):
@@ -113,3 +131,45 @@ def tf_device_datasets_without_autotune():
             yield
         finally:
             module._create_device_dataset = original
+
+
+def tf_iterator_made_when_read(make: Callable[[], Any], kind: type) -> Any:
+    """An iterator that is `make()`'s, made the first time anything reads it (a step function
+    it is passed to, `next`, `get_next`), not now; `make()` itself where that cannot be done
+    safely. `kind` is the class of the iterators `make` makes: the new one is of that class,
+    so Keras's `isinstance` tests and `tf.function`'s signature (the type spec, read from the
+    real iterator) see what they would have seen.
+
+    Only TensorFlow's own `DistributedIterator` class is imitated (its methods keep their
+    state in the instance's attributes, which the imitation reads from the real iterator,
+    and set none after `__init__`); any other class, or a TensorFlow without it, gets
+    `make()`."""
+    base = find_optional(_DISTRIBUTED_ITERATOR)
+    if base is None or kind is not base:
+        return make()
+    return _made_when_read(base)(make)
+
+
+@functools.cache
+def _made_when_read(base: type) -> type:
+    """`base`'s subclass whose instances are made when first read (one class per base)."""
+
+    class MadeWhenRead(base):
+        """`base`'s iterator, made at the first read of an attribute it does not have."""
+
+        # No `base.__init__`: its attributes are the real iterator's, read through
+        # `__getattr__` (called only for what the instance lacks).
+        def __init__(self, make):
+            self.__dict__["keras_accel_make"] = make
+
+        def __getattr__(self, name):
+            if name.startswith("__") or name.startswith("keras_accel"):
+                raise AttributeError(name)  # Copying, pickling, debuggers: nothing made.
+            state = self.__dict__
+            if "keras_accel_real" not in state:  # Its `make` kept until it made one.
+                state["keras_accel_real"] = state["keras_accel_make"]()
+                del state["keras_accel_make"]
+            return getattr(state["keras_accel_real"], name)
+
+    MadeWhenRead.__qualname__ = MadeWhenRead.__name__ = f"{base.__name__}MadeWhenRead"
+    return MadeWhenRead
