@@ -1,7 +1,8 @@
 """The in-memory array pipeline gathers several batches per tf.data call
 (`keras_accel.data.tfdata._group_loader`): every batch must be the one the per-batch path
 (`_padded`, still used with a model's preprocessing) makes, value for value: the same rows
-in the same order, the same padding, weights and row mask."""
+in the same order, the same padding, weights and row mask. Over several replicas, an epoch's
+per-device iterators are made only when read (`runtime.Distributed`)."""
 
 import numpy as np
 import pytest
