@@ -21,6 +21,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=3 PYTHONDONTWRITEBYTECODE=1
 python -m ruff check . || exit 1
+# JAX's compilation cache, this run's own (removed at its end, so a run starts cold, as CI's
+# does): the suite compiles the same programs over and over (the same small models, shapes
+# and meshes in many tests, and in the processes its multi-process and resume tests start),
+# and XLA compiles each once. The same compiled programs, so the same numbers; what a test
+# traces is unchanged (the recompile guard counts traces). Measured on two of the adapter's
+# files under JAX: 50.5 s of CPU without it, 42.4 s with it from cold.
+jax_cache=$(mktemp -d "${TMPDIR:-/tmp}/keras-accel-jax-cache.XXXXXX")
+trap 'rm -rf "$jax_cache"' EXIT
+export JAX_COMPILATION_CACHE_DIR=$jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 read -r -a backends <<<"${KERAS_ACCEL_TEST_BACKENDS:-jax tensorflow torch}"
 if [ "${#backends[@]}" -eq 0 ]; then echo "!!! KERAS_ACCEL_TEST_BACKENDS names no backend"; exit 1; fi
 
