@@ -268,9 +268,10 @@ def test_tensorflow_pydatasets_and_generators_reach_the_devices_without_autotuni
     monkeypatch.setattr(tf.data.Dataset, "__iter__", spy)
     if kind == "PyDataset":
         got = acc.fit(model, Batches(x, y, 8), epochs=2, shuffle=False, verbose=0)
-        # Keras makes an iterator as each epoch begins and another as it ends (the next
-        # epoch's, which it drops): two per epoch, each with one data set per device.
-        assert iterated == [False] * 4 * FEW_REPLICAS, iterated
+        # Keras asks for an iterator as each epoch begins and another as it ends (the next
+        # epoch's, which it drops unread): only the one read is made (`Distributed`), one
+        # per epoch, each with one data set per device.
+        assert iterated == [False] * 2 * FEW_REPLICAS, iterated
     else:
         got = acc.fit(model, batches(), epochs=2, steps_per_epoch=3, verbose=0)
         # One iterator over the stream, kept across epochs under steps_per_epoch.
