@@ -124,7 +124,7 @@ def test_an_epochs_iterator_is_made_only_when_read(monkeypatch, backend, num_dev
     (`runtime.Distributed`): only the ones read are made, one per epoch for training and
     one for each validation, and the fit is the one it was."""
     if backend != "tensorflow" or num_devices < 2:
-        pytest.skip("TensorFlow's per-device iterators, over several replicas")
+        pytest.skip("runtime.Distributed is TensorFlow's, over several replicas: the TF run has it")
     import keras
     from tensorflow.python.data.ops import multi_device_iterator_ops as ops
 

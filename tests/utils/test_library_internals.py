@@ -102,7 +102,7 @@ def test_device_datasets_are_restored_and_left_alone_where_missing(monkeypatch):
 
 def test_a_distributed_iterator_made_when_read_is_made_at_its_first_read(backend, monkeypatch):
     if backend != "tensorflow":
-        pytest.skip("TensorFlow's tf.distribute iterators, on the TensorFlow run's devices")
+        pytest.skip("tf.distribute iterators, over the TensorFlow run's devices: that run has it")
     import tensorflow as tf
 
     from keras_accel.utils.library_internals import tensorflow_ops
