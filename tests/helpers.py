@@ -1,9 +1,11 @@
 """Shared test helpers: tiny models and data, and readers of what really ran."""
 
 import doctest
+import gc
 import importlib
 import inspect
 import os
+import time
 
 import keras
 import numpy as np
@@ -55,6 +57,19 @@ def data(n=101, inputs=6, classes=3, seed=0):
     x = rng.normal(size=(n, inputs)).astype("float32")
     y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
     return x, np.minimum(y, classes - 1)
+
+
+def collect_until(done, timeout_s=30.0):
+    """gc.collect() until `done()`: a Keras model lives in reference cycles, and gc.collect()
+    returns at once, collecting nothing, while another thread's collection runs (CPython's
+    `collecting` flag; TensorFlow's and tf.data's threads allocate all the time). Seen once in
+    a full TF run of the suite, never alone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if done() or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def weights_of(model):

@@ -13,6 +13,7 @@ touched them.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 
@@ -44,10 +45,25 @@ def in_call() -> bool:
 
 
 class FunctionCache:
-    """The step functions Keras compiled during our calls, per model, kept out of the model."""
+    """The step functions Keras compiled during our calls, per model, kept out of the model:
+    those of the `MODELS` models used most recently.
+
+    A compiled step closes over its model (Keras's `train_function` reads `self`), so a
+    function kept here keeps its model alive, with its weights and its traced graphs: kept
+    for every model an Accelerator ever ran, a notebook or a hyperparameter search that
+    makes a new model each time would never get that memory back. Kept for the last few
+    only, a model the user dropped is freed once `MODELS` others have run, while repeated
+    calls on one model, or on two in turn (a GAN's, a teacher and its student), reuse their
+    functions."""
+
+    MODELS = 2
 
     def __init__(self):
-        self._by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # id(model) -> (a weak reference to it, its functions by key), least recent first. The
+        # weak reference tells a model from a new one that got a dead one's id.
+        self._by_model: collections.OrderedDict[int, tuple[weakref.ref, dict]] = (
+            collections.OrderedDict()
+        )
 
     def key(self, model, kind: str, contract: StepContract, runtime=None) -> tuple:
         # Everything a compiled step closes over that a user can change between calls.
@@ -67,11 +83,22 @@ class FunctionCache:
         )
 
     def get(self, model, key: tuple):
-        return self._by_model.get(model, {}).get(key)
+        return self._functions(model).get(key)
 
     def put(self, model, key: tuple, function) -> None:
         if function is not None:
-            self._by_model.setdefault(model, {})[key] = function
+            self._functions(model)[key] = function
+
+    def _functions(self, model) -> dict:
+        """`model`'s functions, now the most recently used; the least recent model's dropped
+        beyond `MODELS`."""
+        entry = self._by_model.pop(id(model), None)
+        if entry is None or entry[0]() is not model:
+            entry = (weakref.ref(model), {})
+        self._by_model[id(model)] = entry
+        while len(self._by_model) > self.MODELS:
+            self._by_model.popitem(last=False)
+        return entry[1]
 
 
 def _rate_key(optimizer):

@@ -3,6 +3,7 @@ device, and nothing the Accelerator installs outlives its call. Both backends; 8
 the numbers are the subject, 2 (`FEW_REPLICAS`) where what is kept or left behind is."""
 
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -14,6 +15,7 @@ from tests.helpers import (
     FEW_REPLICAS,
     assert_replicas_agree,
     assert_weights_close,
+    collect_until,
     compiled_mlp,
     data,
 )
@@ -125,6 +127,37 @@ def test_no_trace_left_behind(tmp_path):
         got = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
         want = twin.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     assert got == pytest.approx(want)
+
+
+@pytest.mark.torch
+def test_a_model_the_user_drops_is_freed_once_two_others_have_run():
+    # A compiled step closes over its model. The Accelerator keeps the steps of the two
+    # models it ran last (calls on either trace nothing again; on torch nothing traces) and
+    # drops an older one's: a model the user let go is then freed, its weights and traced
+    # graphs with it, as after plain Keras. It kept every model it ever ran before.
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+    x, y = data(40)
+
+    def fitted():
+        with acc.scope():
+            model = compiled_mlp(batchnorm=False)
+        acc.fit(model, x, y, batch_size=16, verbose=0)
+        return model
+
+    first, second = fitted(), fitted()
+    traced = len(acc.guard.traces)
+    acc.fit(first, x, y, batch_size=16, verbose=0)
+    acc.fit(second, x, y, batch_size=16, verbose=0)
+    assert len(acc.guard.traces) == traced
+    dropped = weakref.ref(first)
+    del first
+    third = fitted()
+    collect_until(lambda: dropped() is None)
+    assert dropped() is None
+    traced = len(acc.guard.traces)
+    acc.fit(third, x, y, batch_size=16, verbose=0)
+    acc.fit(second, x, y, batch_size=16, verbose=0)
+    assert len(acc.guard.traces) == traced  # The two kept: nothing traced again.
 
 
 @pytest.mark.parametrize("sync_batchnorm", [True, False])

@@ -1,7 +1,6 @@
 """The recompile guard: every trace after warm-up reported with its cause, each trace once."""
 
 import gc
-import time
 import warnings
 
 import keras
@@ -11,7 +10,7 @@ import pytest
 from keras_accel import Accelerator
 from keras_accel.adapter import guard
 from keras_accel.callbacks import History
-from tests.helpers import FEW_REPLICAS, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, collect_until, compiled_mlp, data
 
 
 def _traces(acc, kind):
@@ -169,26 +168,13 @@ def test_a_collected_model_is_forgotten_and_a_new_one_with_its_id_is_not_warm():
     assert len(g._seen) == 0
 
 
-def _collect_until(done, timeout_s=30.0):
-    """gc.collect() until `done()`: a Keras model lives in reference cycles, and gc.collect()
-    returns at once, collecting nothing, while another thread's collection runs (CPython's
-    `collecting` flag; TensorFlow's and tf.data's threads allocate all the time). Seen once in
-    a full TF run of the suite, never alone."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gc.collect()
-        if done() or time.monotonic() > deadline:
-            return
-        time.sleep(0.05)
-
-
 def test_a_collected_keras_model_is_forgotten():
     g = guard.RecompileGuard()
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     g.mark_warm(model, "predict")
     assert g.is_warm(model, "predict")
     del model
-    _collect_until(lambda: len(g._seen) == 0)
+    collect_until(lambda: len(g._seen) == 0)
     assert len(g._seen) == 0
     fresh = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     assert not g.is_warm(fresh, "predict")
