@@ -160,6 +160,31 @@ def test_a_model_the_user_drops_is_freed_once_two_others_have_run():
     assert len(acc.guard.traces) == traced  # The two kept: nothing traced again.
 
 
+def test_a_tensorflow_step_over_replicas_registers_no_gradient_function(backend):
+    # In a traced function TensorFlow's `ReplicaContext.all_reduce` registers a gradient
+    # function in its global registry at each call, and that function holds the step's graphs
+    # for the rest of the process. The sums nothing differentiates (the row count, metrics'
+    # states, the gradients applied) are reduced without one: a new model's fit, evaluate and
+    # predict leave the registry as they found it. (Synchronized BatchNormalization's sums are
+    # differentiated: each of its traces registers one, as in plain Keras.)
+    if backend != "tensorflow":
+        pytest.skip("TensorFlow's gradient registry: the TensorFlow run has it")
+    from tensorflow.python.framework import ops
+
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+    x, y = data(40)
+    registered = None
+    for _ in range(2):  # The first one also registers TensorFlow's own, once a process.
+        with acc.scope():
+            model = compiled_mlp(batchnorm=False)
+        acc.fit(model, x, y, batch_size=16, validation_data=(x, y), verbose=0)
+        acc.evaluate(model, x, y, batch_size=16, verbose=0)
+        acc.predict(model, x, batch_size=16, verbose=0)
+        if registered is None:
+            registered = len(ops.gradient_registry._registry)
+    assert len(ops.gradient_registry._registry) == registered
+
+
 @pytest.mark.parametrize("sync_batchnorm", [True, False])
 def test_synchronized_batchnorm_keeps_keras_meaning(backend, sync_batchnorm):
     if backend != "tensorflow":

@@ -137,6 +137,28 @@ def test_a_distributed_iterator_made_when_read_is_made_at_its_first_read(backend
     assert len(made) == 4
 
 
+def test_whether_replicas_merge_to_reduce_is_read_from_the_current_strategy(backend, monkeypatch):
+    if backend != "tensorflow":
+        pytest.skip("tf.distribute strategies over the TensorFlow run's devices: that run has it")
+    import tensorflow as tf
+
+    from keras_accel.utils.library_internals import tensorflow_ops
+
+    strategy = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:2])
+    assert not library_internals.tf_replicas_merge_to_reduce()  # No strategy: no replicas.
+    with strategy.scope():
+        assert library_internals.tf_replicas_merge_to_reduce()  # On CPUs, always.
+        missing = dataclasses.replace(tensorflow_ops._SUPPORTS_NO_MERGE_CALL, name="Renamed")
+        monkeypatch.setattr(tensorflow_ops, "_SUPPORTS_NO_MERGE_CALL", missing)
+        tensorflow_ops._supports_no_merge_call.cache_clear()  # Looked up once a process.
+        try:
+            assert not library_internals.tf_replicas_merge_to_reduce()  # Unknown: all_reduce.
+        finally:
+            monkeypatch.undo()
+            tensorflow_ops._supports_no_merge_call.cache_clear()
+        assert library_internals.tf_replicas_merge_to_reduce()
+
+
 def test_grain_batching_reads_a_batched_data_set():
     grain = pytest.importorskip("grain")
     batched = grain.MapDataset.range(10).batch(4, drop_remainder=True)

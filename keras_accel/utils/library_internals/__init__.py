@@ -56,6 +56,7 @@ from keras_accel.utils.library_internals.tensorflow_ops import (
     tf_compute_batch_size,
     tf_device_datasets_without_autotune,
     tf_iterator_made_when_read,
+    tf_replicas_merge_to_reduce,
 )
 
 INTERNALS: list[Internal] = [
@@ -105,4 +106,5 @@ __all__ = [
     "tf_compute_batch_size",
     "tf_device_datasets_without_autotune",
     "tf_iterator_made_when_read",
+    "tf_replicas_merge_to_reduce",
 ]

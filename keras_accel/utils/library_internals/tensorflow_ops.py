@@ -1,6 +1,7 @@
 """TensorFlow's own (not Keras's): tf.data's distribution ops (`_AutoShardDataset`,
 `compute_batch_size`), the device data sets of a `MultiDeviceIterator`, a `tf.distribute`
-iterator made when first read, and a concrete function's flat call."""
+iterator made when first read, a concrete function's flat call, and whether a strategy's
+replicas reduce through `merge_call`."""
 
 from __future__ import annotations
 
@@ -55,12 +56,24 @@ _DISTRIBUTED_ITERATOR = Internal(
     fallback="each iterator is made when asked for, read or not (on 8 CPU replicas about "
     "0.5 s each)",
 )
+_SUPPORTS_NO_MERGE_CALL = Internal(
+    "TensorFlow",
+    "tensorflow.python.distribute.merge_call_interim",
+    "strategy_supports_no_merge_call",
+    "whether the current strategy's replicas reduce through merge_call (TensorFlow exports it "
+    "as tf.__internal__.distribute.strategy_supports_no_merge_call; Keras's optimizers use "
+    "it): there a sum nothing differentiates is reduced without tf.custom_gradient, whose "
+    "gradient function keeps each traced step's graphs alive for the process's life",
+    fallback="every reduction goes through ReplicaContext.all_reduce (the same numbers; each "
+    "traced step's graphs stay in memory, and every full garbage collection walks them)",
+)
 INTERNALS = [
     _AUTO_SHARD_DATASET,
     _COMPUTE_BATCH_SIZE,
     _CREATE_DEVICE_DATASET,
     _DISTRIBUTED_ITERATOR,
     _CALL_FLAT,
+    _SUPPORTS_NO_MERGE_CALL,
 ]
 
 
@@ -75,6 +88,21 @@ def tf_call_concrete(concrete, inputs: list):
 @functools.lru_cache(maxsize=1)
 def _has_call_flat() -> bool:
     return find_optional(_CALL_FLAT) is not None
+
+
+def tf_replicas_merge_to_reduce() -> bool:
+    """Whether the current `tf.distribute` strategy's replicas reduce through
+    `ReplicaContext.merge_call` (every strategy, except MirroredStrategy or multi-worker
+    under XLA with only GPUs); False where this TensorFlow cannot tell."""
+    supports_no_merge_call = _supports_no_merge_call()
+    return supports_no_merge_call is not None and not supports_no_merge_call()
+
+
+# Looked up once: called while a step traces, where AutoGraph would convert the lookup (and warn
+# that it cannot convert `importlib`'s), but runs a cached function as it is.
+@functools.lru_cache(maxsize=1)
+def _supports_no_merge_call() -> Callable[[], bool] | None:
+    return find_optional(_SUPPORTS_NO_MERGE_CALL)
 
 
 def tf_auto_shard_dataset() -> type:

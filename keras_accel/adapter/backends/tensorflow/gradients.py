@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_accel.adapter.backends.tensorflow.reduction import reduce_undifferentiated
 from keras_accel.adapter.patches import Patches
 from keras_accel.utils import keras_internals
 from keras_accel.utils.optimizers import inner_optimizer
@@ -45,7 +46,11 @@ def _summing(original):
             return original(grads, trainable_variables)
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
-        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+        # Applied, never differentiated: no gradient function (which would keep the step's
+        # graphs alive for good).
+        summed = reduce_undifferentiated(
+            context, tf.distribute.ReduceOp.SUM, [grads[i] for i in present]
+        )
         for i, g in zip(present, summed):
             grads[i] = g
         return original(grads, trainable_variables)

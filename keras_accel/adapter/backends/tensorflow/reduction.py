@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from keras_accel.adapter.backends.global_rows import UserMetricPatches
 from keras_accel.adapter.steps import ROW_MASK
-from keras_accel.utils import keras_internals
+from keras_accel.utils import keras_internals, library_internals
 
 
 def global_result(metric, result):
@@ -49,7 +49,7 @@ def _read(metric) -> list:
     # collective each (a metric's total and count: two), and every collective is a point
     # all 8 CPU replicas meet at (docs/benchmarks.md).
     for (operation, _), indices in grouped.items():
-        reduced = context.all_reduce(operation, [values[i] for i in indices])
+        reduced = reduce_undifferentiated(context, operation, [values[i] for i in indices])
         for i, value in zip(indices, reduced):
             values[i] = value
     return values
@@ -160,10 +160,43 @@ def _global_read(metric, original):
 
 
 def all_reduce_sum(tensors):
+    """`tensors` summed over the replicas, differentiably (synchronized BatchNormalization's
+    moments: the gradient of a sum is the sum of the gradients)."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return tensors
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+
+def sum_undifferentiated(tensors):
+    """`tensors` summed over the replicas, where nothing differentiates the sum (a batch's
+    row count): `reduce_undifferentiated`."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tensors
+    return reduce_undifferentiated(context, tf.distribute.ReduceOp.SUM, tensors)
+
+
+def reduce_undifferentiated(context, operation, tensors: list) -> list:
+    """`context.all_reduce(operation, tensors)` for values nothing differentiates (row counts,
+    metrics' states, the gradients an optimizer applies): the same collectives, without the
+    gradient function.
+
+    In a traced function `all_reduce` wraps its collectives in `tf.custom_gradient`, which
+    registers a new gradient function in TensorFlow's global gradient registry at each call;
+    the function holds the graph it was traced in, and with it the graphs around it (a fused
+    step's loop and conditions), for the rest of the process. A fit on 8 replicas kept 45
+    graphs so (docs/development.md); each full garbage collection walks them all. Here the
+    replicas meet in `merge_call`, as `all_reduce` itself does for values it cannot
+    differentiate (`IndexedSlices`): each value reduced onto its own devices. A strategy that
+    reduces without `merge_call` (XLA on GPUs only) gets `all_reduce`."""
+    if not library_internals.tf_replicas_merge_to_reduce():
+        return context.all_reduce(operation, tensors)
+
+    def batch_reduce(strategy, *values):
+        return strategy.extended.batch_reduce_to(operation, [(v, v) for v in values])
+
+    return list(context.merge_call(batch_reduce, args=tuple(tensors)))
 
 
 def reduce_logs(values, strategy, reduction):
@@ -193,7 +226,7 @@ def reduce_logs(values, strategy, reduction):
 
         def mean(*local):
             context = tf.distribute.get_replica_context()
-            return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(local))
+            return reduce_undifferentiated(context, tf.distribute.ReduceOp.MEAN, list(local))
 
         reduced = strategy.run(mean, args=tuple(leaves[i] for i in picked))
         for i, v in zip(picked, reduced):

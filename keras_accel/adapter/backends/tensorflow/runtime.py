@@ -15,6 +15,7 @@ from keras_accel.adapter.backends.tensorflow.reduction import (
     all_reduce_sum,
     global_result,
     install_gathered_metrics,
+    sum_undifferentiated,
 )
 from keras_accel.adapter.backends.tensorflow.rows import install_global_row_draws
 from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
@@ -125,7 +126,7 @@ class Runtime(runtime.Runtime):
     def row_count(self, row_mask):
         # Each replica weights its share of the epoch's loss average by the global batch's
         # real rows over the replica count: summed over replicas, the real rows.
-        (total,) = all_reduce_sum([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
+        (total,) = sum_undifferentiated([tf.reduce_sum(tf.cast(row_mask, tf.float32))])
         return total / self.num_replicas
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
