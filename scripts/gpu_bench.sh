@@ -23,6 +23,8 @@
 #   STEP_GROUPS=1                 0: skip the small-batch rows with and without on-device
 #                                 step groups (benchmarks/fusion.py: plain model.fit, Keras's
 #                                 steps_per_execution=32, acc.fit "auto")
+#   STEP_GROUPS_SCALE=1  STEP_GROUPS_ROUNDS=3   their rows (a fraction of each case's) and
+#                                 timed rounds
 #
 # Every configuration runs in its own process, so an out-of-memory error is an "OOM" row and
 # the sweep goes on. Each (model, precision) writes its files as soon as it finishes: a run
@@ -57,6 +59,8 @@ TIMEOUT=${TIMEOUT:-600}
 FLOPS_FROM=${FLOPS_FROM:-hlo}
 FIND_BATCH_SIZE=${FIND_BATCH_SIZE:-0}
 STEP_GROUPS=${STEP_GROUPS:-1}
+STEP_GROUPS_SCALE=${STEP_GROUPS_SCALE:-1}
+STEP_GROUPS_ROUNDS=${STEP_GROUPS_ROUNDS:-3}
 
 say() { echo "gpu_bench: $*" >&2; }
 run() {
@@ -152,8 +156,8 @@ fi
 # Where the seed found the device idle between steps: one host call per step against N steps
 # in one compiled program (docs/accelerator.md, "Host-loop fusion").
 if [ "$STEP_GROUPS" = 1 ]; then
-  command=("$PYTHON" benchmarks/fusion.py --backends jax --cases dense@64,mlp@256 --rounds 3
-    --json "$OUT/groups.json")
+  command=("$PYTHON" benchmarks/fusion.py --backends jax --cases dense@64,mlp@256
+    --rounds "$STEP_GROUPS_ROUNDS" --scale "$STEP_GROUPS_SCALE" --json "$OUT/groups.json")
   echo "+ ${command[*]} > $OUT/groups.md 2> $OUT/groups.log" >&2
   if [ "$DRY_RUN" -eq 0 ]; then
     "${command[@]}" > "$OUT/groups.md" 2> "$OUT/groups.log" || status=1

@@ -89,6 +89,10 @@ def test_rehearsal_on_this_cpu_with_keras_from_the_wheels(backend, tmp_path):
         "SAMPLES": "32",
         "EPOCHS": "2",
         "FLOPS_FROM": "compiled",
+        # The step-group rows (benchmarks/fusion.py) on a twentieth of each case's rows,
+        # timed once: full size they were 150 of this test's 160 CPU-seconds.
+        "STEP_GROUPS_SCALE": "0.05",
+        "STEP_GROUPS_ROUNDS": "1",
     }
     result = _run(env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,3 +104,5 @@ def test_rehearsal_on_this_cpu_with_keras_from_the_wheels(backend, tmp_path):
     (row,) = json.loads((out / f"{name}.json").read_text())["results"]
     assert row["status"] == "ok" and row["flops_xla"] > 0
     assert row["versions"]["keras"] == "3.15.1"
+    groups = (out / "groups.md").read_text()
+    assert "| jax | dense@64 |" in groups and "| jax | mlp@256 |" in groups, groups
