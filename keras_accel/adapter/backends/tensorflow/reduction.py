@@ -185,8 +185,9 @@ def reduce_undifferentiated(context, operation, tensors: list) -> list:
     In a traced function `all_reduce` wraps its collectives in `tf.custom_gradient`, which
     registers a new gradient function in TensorFlow's global gradient registry at each call;
     the function holds the graph it was traced in, and with it the graphs around it (a fused
-    step's loop and conditions), for the rest of the process. A fit on 8 replicas kept 45
-    graphs so (docs/development.md); each full garbage collection walks them all. Here the
+    step's loop and conditions), for the rest of the process: 96 registered over 7 fits of
+    new models on 8 replicas (docs/benchmarks.md, "Memory"), and each full garbage
+    collection walks what they hold. Here the
     replicas meet in `merge_call`, as `all_reduce` itself does for values it cannot
     differentiate (`IndexedSlices`): each value reduced onto its own devices. A strategy that
     reduces without `merge_call` (XLA on GPUs only) gets `all_reduce`."""
