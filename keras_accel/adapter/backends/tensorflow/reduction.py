@@ -162,8 +162,8 @@ def _global_read(metric, original):
 def all_reduce_sum(tensors):
     """`tensors` summed over the replicas, differentiably (synchronized BatchNormalization's
     moments: the gradient of a sum is the sum of the gradients)."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    context = _replicated()
+    if context is None:
         return tensors
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
@@ -171,8 +171,8 @@ def all_reduce_sum(tensors):
 def sum_undifferentiated(tensors):
     """`tensors` summed over the replicas, where nothing differentiates the sum (a batch's
     row count): `reduce_undifferentiated`."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    context = _replicated()
+    if context is None:
         return tensors
     return reduce_undifferentiated(context, tf.distribute.ReduceOp.SUM, tensors)
 
