@@ -11,7 +11,8 @@ each stage in its own module:
 1. `placement`: the model checked (a `keras.Model`, built and compiled in the scope);
 2. `inputs`: its inputs standardized and checked (text targets, `validation_split`);
 3. `batches`: batched by the `feeder` into static batches, padding kept exact
-   (`exactness`) or the last batch dropped with a note, or refused;
+   (`exactness` probes compiled losses and metrics, `unweighted` reads the model's own
+   code) or the last batch dropped with a note, or refused;
 4. `fusion`: how many steps run per host call;
 5. `run`: wrapped for the backend's steps and run in Keras's own call, inside a `session`
    (what the call installs, `patches`, undone after it; the step wrappers of `steps`),

@@ -15,6 +15,7 @@ from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.pipeline import preprocessor, with_made_targets
 from keras_accel.adapter.steps import StepContract, honours_sample_weight, overrides
+from keras_accel.adapter.unweighted import unweighted_code
 from keras_accel.data import sources
 from keras_accel.utils import keras_internals
 
@@ -49,24 +50,29 @@ class Batches:
             )
         # A step of the user's is given padding rows (weighted 0) if it honours weights.
         custom = not builtin and not batches.weighted and not honours_sample_weight(model)
-        blind = not batches.has_targets or custom
+        # Code of the user's that computes over every row of the batch: a compute_loss
+        # that drops sample_weight, add_loss (`keras_accel.adapter.unweighted`).
+        unweighted = unweighted_code(model, "train") if batches.plan.pads else []
+        blind = not batches.has_targets or custom or bool(unweighted)
         if not blind and batches.plan.pads and builtin:
             return self._exact_training(model, batches, make)
         if not blind or not batches.plan.pads:
             return batches
         plan = batches.plan
-        reason = (
-            "there are no targets to weight padding rows out of the loss"
-            if not batches.has_targets
-            else f"{type(model).__name__} overrides train_step and gets (x, y) batches"
-        )
+        if not batches.has_targets:
+            reason = "there are no targets to weight padding rows out of the loss"
+        elif custom:
+            reason = f"{type(model).__name__} overrides train_step and gets (x, y) batches"
+        else:
+            reason = "; ".join(unweighted)
         if self.remainder is None and plan.static_rows == plan.batch_size:
             return _dropped(
                 make,
                 plan,
                 f"{reason}, so the last partial batch",
                 "Pass Accelerator(remainder='pad') to feed it padded, weighted 0 in "
-                "sample_weight, or a batch_size that divides the data.",
+                "sample_weight (your code must then honour sample_weight), or a batch_size "
+                "that divides the data.",
             )
         if self.remainder == "pad" and batches.has_targets:
             return batches  # Asked for: padding reaches the step as sample_weight 0.
@@ -135,8 +141,14 @@ class Batches:
 
     def _check_exact(self, model, batches, name: str) -> None:
         """Evaluation must see every row: a loss or metric that padding would make inexact
-        is refused, naming it (see `keras_accel.adapter.exactness`)."""
-        if not batches.plan.pads or not batches.has_targets or overrides(model, "test"):
+        is refused, naming it (see `keras_accel.adapter.exactness`), and so is code of the
+        model's own that computes over every row (`keras_accel.adapter.unweighted`)."""
+        if not batches.plan.pads or not batches.has_targets:
+            return
+        found = unweighted_code(model, "test")
+        if found:
+            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{name}`"))
+        if overrides(model, "test"):
             return
         found = inexact_under_padding(model, sources.sample_batch(batches))
         if found:
@@ -164,7 +176,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.describe()} "
         f"over {num_replicas} replicas), so the result "
         "would count padding rows, where plain Keras is exact. Make the loss return one "
-        "value per row and the metric honour sample_weight, or use a batch_size that is a "
+        "value per row and the metric (or your compute_loss, compute_metrics) honour "
+        "sample_weight, or use a batch_size that is a "
         f"multiple of {num_replicas} and divides the number of rows, so that nothing is padded."
     )
 

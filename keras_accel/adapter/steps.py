@@ -17,9 +17,11 @@ trace, for free at steady state, on every backend. It:
 
 The data contract, for built-in and custom steps alike: a step receives `(x, y)` when the
 user gave no weights and nothing is padded, `(x, y, sample_weight)` when the user gave
-weights or padding rows must be weighted out (padding rows weight 0), and `(x,)` for
-prediction. Models that override `train_step` train without padding by default (see
-`Accelerator.fit`); see docs/accelerator.md, "Custom steps".
+weights or padding rows must be weighted out (padding rows weight 0), and for prediction
+or training without targets `x` as it is (one array, or a dict), or `(x,)` where `x` is a
+tuple or list of inputs, as Keras's `pack_x_y_sample_weight` packs it. Models that
+override `train_step` train without padding by default (see `Accelerator.fit`); see
+docs/accelerator.md, "Custom steps".
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import keras
 from keras import ops
 
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.unweighted import hands_on_sample_weight
 from keras_accel.data.batching import unpack
 from keras_accel.utils import keras_internals
 
@@ -126,29 +129,7 @@ def honours_sample_weight(model, kind: str = "train") -> bool:
     `sample_weight` (one only unpacked and never read does not count). A step whose source
     cannot be read (made at run time) counts as not honouring it, and its last partial
     batch is dropped as before."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        source = textwrap.dedent(inspect.getsource(getattr(type(model), f"{kind}_step")))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return False
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Name)
-            and node.id == "sample_weight"
-            and isinstance(node.ctx, ast.Load)
-        ):
-            return True
-        if isinstance(node, ast.Call):
-            for keyword in node.keywords:
-                if keyword.arg == "sample_weight" and not (
-                    isinstance(keyword.value, ast.Constant) and keyword.value.value is None
-                ):
-                    return True
-    return False
+    return hands_on_sample_weight(getattr(type(model), f"{kind}_step"))
 
 
 def overrides_any_step(model) -> bool:
@@ -196,7 +177,9 @@ def _wrap(model, kind, original, contracts, record, row_count):
             ranked = given is None
             sample_weight = _weighted(given, row_mask, counted, _loss_ranks(model, x, y, ranks))
         if y is None:
-            user = (x,)
+            # As Keras packs it (`keras.utils.pack_x_y_sample_weight`): one array (or a
+            # dict of them) as it is, a tuple or list of inputs wrapped, `(x,)`.
+            user = (x,) if isinstance(x, (tuple, list)) else x
         elif contract.pass_weights:
             user = (x, y, sample_weight)
         else:
@@ -210,7 +193,8 @@ def _wrap(model, kind, original, contracts, record, row_count):
             result = original(*state, user)
         except (ValueError, TypeError) as error:
             # Our padding weights reached a step of the user's that cannot take them.
-            if len(user) == 3 and not contract.user_weighted and overrides(model, kind):
+            three = isinstance(user, tuple) and len(user) == 3
+            if three and not contract.user_weighted and overrides(model, kind):
                 raise ValueError(_padding_message(model, kind, contract, error)) from error
             raise
         finally:
