@@ -445,6 +445,7 @@ class Accelerator:
             validating=val is not None,
             divides=validation_steps if val is not None else None,
             batches=train,
+            validation=val,
         )
         return self._runner.fit(
             model,

@@ -55,7 +55,7 @@ class Batches:
         unweighted = unweighted_code(model, "train") if batches.plan.pads else []
         blind = not batches.has_targets or custom or bool(unweighted)
         if not blind and batches.plan.pads and builtin:
-            return self._exact_training(model, batches, make)
+            return self._exact_training(model, batches, make, kind)
         if not blind or not batches.plan.pads:
             return batches
         plan = batches.plan
@@ -66,6 +66,9 @@ class Batches:
         else:
             reason = "; ".join(unweighted)
         if self.remainder is None and plan.static_rows == plan.batch_size:
+            whole = self._whole(make, plan, reason, kind)
+            if whole is not None:
+                return whole
             return _dropped(
                 make,
                 plan,
@@ -94,12 +97,22 @@ class Batches:
         """Every row of `x` once, the last batch padded, for `evaluate` (or fit's validation:
         `name` is the argument, `call` what the refusal names): refused where padding would
         count in the loss or a metric, or where there are no targets to weight it out."""
-        batches = self.feeder.batches(
-            x, y, batch_size, False, sample_weight, None, False, None, True, kind
-        )
-        batches = with_made_targets(batches, preprocessor(model))
+
+        def make(remainder):
+            batches = self.feeder.batches(
+                x, y, batch_size, False, sample_weight, None, False, remainder, True, kind
+            )
+            return with_made_targets(batches, preprocessor(model))
+
+        batches = make(None)
+        found = self._blind_evaluation(model, batches)
+        if found and batches.plan.static_rows == batches.plan.batch_size:
+            whole = self._whole(make, batches.plan, "; ".join(found), kind)
+            if whole is not None:
+                return whole
         _check_evaluation(batches, name)
-        self._check_exact(model, batches, call)
+        if found:
+            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{call}`"))
         return batches
 
     def prediction(self, x, batch_size, kind):
@@ -121,15 +134,19 @@ class Batches:
             description=f"{plan.describe()}{padding}",
         )
 
-    def _exact_training(self, model, batches, make):
+    def _exact_training(self, model, batches, make, kind):
         """Padded training batches, unless a loss or metric of the user's cannot weight the
-        padding rows out (`keras_accel.adapter.exactness`): then the last partial batch is
-        dropped with a note, where dropping it removes all padding, or the fit is refused."""
+        padding rows out (`keras_accel.adapter.exactness`): then the last partial batch runs
+        unpadded where the runtime can (`_whole`), or is dropped with a note, where dropping
+        it removes all padding, or the fit is refused."""
         found = inexact_under_padding(model, sources.sample_batch(batches))
         if not found:
             return batches
         plan = batches.plan
         if self.remainder is None and plan.static_rows == plan.batch_size:
+            whole = self._whole(make, plan, "; ".join(found), kind)
+            if whole is not None:
+                return whole
             return _dropped(
                 make,
                 plan,
@@ -139,20 +156,44 @@ class Batches:
             )
         raise ValueError(_inexact_message(found, plan, self.num_replicas, "training"))
 
-    def _check_exact(self, model, batches, name: str) -> None:
-        """Evaluation must see every row: a loss or metric that padding would make inexact
-        is refused, naming it (see `keras_accel.adapter.exactness`), and so is code of the
-        model's own that computes over every row (`keras_accel.adapter.unweighted`)."""
-        if not batches.plan.pads or not batches.has_targets:
-            return
+    def _blind_evaluation(self, model, batches) -> list[str]:
+        """What of the model would count an evaluation's padding rows as real ones, each in
+        words; empty where nothing pads or everything weights them out. Without targets
+        nothing weights them out (`_check_evaluation` says so where they cannot run whole);
+        a model's own `test_step` that reads no weights cannot take them (Keras gives it
+        `(x, y)`); code of the model's own that computes over every row
+        (`keras_accel.adapter.unweighted`); a compiled loss or metric that ignores them
+        (`keras_accel.adapter.exactness`)."""
+        if not batches.plan.pads:
+            return []
+        if not batches.has_targets:
+            return ["there are no targets to weight padding rows out"]
+        custom = overrides(model, "test")
+        if custom and not batches.weighted and not honours_sample_weight(model, "test"):
+            return [f"{type(model).__name__} overrides test_step and gets (x, y) batches"]
         found = unweighted_code(model, "test")
-        if found:
-            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{name}`"))
-        if overrides(model, "test"):
-            return
-        found = inexact_under_padding(model, sources.sample_batch(batches))
-        if found:
-            raise ValueError(_inexact_message(found, batches.plan, self.num_replicas, f"`{name}`"))
+        if found or custom:
+            return found
+        return inexact_under_padding(model, sources.sample_batch(batches))
+
+    def _whole(self, make, plan, reason: str, kind):
+        """The batches with their short last batch unpadded, as a batch of its real rows
+        alone (compiled once more, for its shape), where the runtime runs one
+        (`Runtime.runs_whole_remainder`) and the input is arrays; else None. Said once."""
+        if kind != sources.ARRAYS or not self.feeder.runtime.runs_whole_remainder:
+            return None
+        whole = make("whole")
+        rows = whole.plan.remainder_rows
+        if rows is None:
+            return None
+        warnings.warn(
+            f"keras_accel: {reason}; the last partial batch ({rows} of "
+            f"{whole.plan.num_samples} rows) runs unpadded, as a batch of its real rows, as "
+            "plain Keras runs it (one more compilation, for its shape; a step per host "
+            "call).",
+            stacklevel=user_stacklevel(),
+        )
+        return whole
 
 
 def _dropped(make, plan, what: str, advice: str):
@@ -174,11 +215,12 @@ def _dropped(make, plan, what: str, advice: str):
 def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> str:
     return (
         f"keras_accel: {'; '.join(found)}, and {what} pads its batches ({plan.describe()} "
-        f"over {num_replicas} replicas), so the result "
-        "would count padding rows, where plain Keras is exact. Make the loss return one "
-        "value per row and the metric (or your compute_loss, compute_metrics) honour "
-        "sample_weight, or use a batch_size that is a "
-        f"multiple of {num_replicas} and divides the number of rows, so that nothing is padded."
+        f"over {num_replicas} replicas), so the result would count padding rows, where plain "
+        "Keras is exact. Make each honour sample_weight (a loss returning one value per row; "
+        "a metric, compute_loss, compute_metrics or test_step handing sample_weight on: "
+        "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`), or use a "
+        f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
+        "that nothing is padded (on one device the last partial batch runs unpadded)."
     )
 
 

@@ -45,7 +45,7 @@ class Feeder:
         the caller has classified it already; else classified here, once."""
         if kind is None:
             kind = sources.classify(x)
-        if not training:
+        if not training and remainder != "whole":
             remainder = "pad"  # Evaluation and prediction must see every row.
         if kind != sources.ARRAYS:
             if class_weight is not None and kind not in (sources.TF_DATASET, sources.PY_DATASET):

@@ -167,10 +167,19 @@ def steps_per_call(
     validating: bool = False,
     divides: int | None = None,
     batches=None,
+    validation=None,
 ) -> int:
     """N, the steps per host call of one call of `model` (`choose`), within what the
     backend's trainer runs per call (`runtime.max_steps_per_execution`) and dividing fit's
-    `validation_steps` (`divides`); said once where the call prints (`note`)."""
+    `validation_steps` (`divides`); said once where the call prints (`note`). One where
+    `batches` or fit's `validation` batches end in a batch that runs unpadded, of another
+    shape than the others (`BatchPlan.remainder_rows`): a group's batches share one."""
+    unpadded = [b for b in (batches, validation) if _remainder_rows(b) is not None]
+    if unpadded:
+        rows = _remainder_rows(unpadded[0])
+        why = f"its last partial batch ({rows} rows) runs unpadded, as a step of its own shape"
+        note(model, 1, why, 1 if verbose == "auto" else verbose)
+        return 1
     n, why = choose(
         requested,
         model,
@@ -200,6 +209,10 @@ def steps_per_call(
         why = f"{why}; dividing validation_steps={divides}"
     note(model, n, why, 1 if verbose == "auto" else verbose)
     return n
+
+
+def _remainder_rows(batches) -> int | None:
+    return getattr(getattr(batches, "plan", None), "remainder_rows", None)
 
 
 def _size(count: int) -> str:

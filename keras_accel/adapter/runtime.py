@@ -48,6 +48,15 @@ class Runtime:
         self.native = native
         self.num_replicas = plan.num_replicas
 
+    @property
+    def runs_whole_remainder(self) -> bool:
+        """Whether a last partial batch can run unpadded, as a batch of its real rows, through
+        a step compiled for its shape (`BatchPlan`'s "whole" remainder): on one replica,
+        where no batch needs to split. Where replicas or processes each take a share of a
+        batch, it cannot split evenly, and the Accelerator drops or refuses it instead
+        (`keras_accel.adapter.batches`)."""
+        return self.num_replicas == 1
+
     def device_scope(self):
         """The context that puts new variables on the plan's one device (`native` None)."""
         return contextlib.nullcontext()

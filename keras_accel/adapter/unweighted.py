@@ -60,8 +60,8 @@ def unweighted_code(model, kind: str = "train") -> list[str]:
         function = _own_method(type(model), method)
         if function is not None and not hands_on_sample_weight(function):
             found.append(
-                f"{type(model).__name__}.{method} does not hand on sample_weight, so it "
-                "counts every row of the batch"
+                f"{type(model).__name__}.{method} does not hand on sample_weight (it "
+                "counts every row of the batch)"
             )
     adders = []
     for layer in _layers(model):

@@ -161,7 +161,7 @@ class ArrayBatches:
             raise IndexError(f"batch index {index} out of range for {len(self)} batches")
         plan = self.plan
         real = int(plan.real_rows[index])
-        first, stop, size = 0, real, plan.static_rows
+        first, stop, size = 0, real, plan.batch_rows(index)
         if rows is not None:
             first, stop, size = min(rows.start, real), min(rows.stop, real), rows.stop - rows.start
         start = index * plan.batch_size

@@ -48,6 +48,11 @@ from typing import Any
 import numpy as np
 
 REMAINDER_POLICIES = ("pad", "drop")
+# What a plan does with a short last batch: a user's policy, or "whole", which runs it as a
+# batch of its real rows alone, unpadded (chosen by the Accelerator where the model's code
+# cannot weight padding rows out and the runtime runs such a batch: `keras_accel.adapter.
+# batches`).
+PLAN_REMAINDERS = (*REMAINDER_POLICIES, "whole")
 
 
 def static_batch_size(batch_size: int, num_replicas: int) -> int:
@@ -152,7 +157,8 @@ class BatchPlan:
         batch_size: rows of real data per batch, as the user asked (every batch but the last
             has exactly this many).
         static_rows: rows per batch as the compiled step sees them (a replica multiple).
-        remainder: "pad" keeps the last partial batch (padded); "drop" skips it.
+        remainder: "pad" keeps the last partial batch (padded); "drop" skips it; "whole"
+            keeps it unpadded, as a batch of its real rows (`batch_rows`).
         training: selects the weight rule (see the module docstring).
     """
 
@@ -163,7 +169,7 @@ class BatchPlan:
     training: bool = True
 
     def __post_init__(self):
-        if self.remainder not in REMAINDER_POLICIES:
+        if self.remainder not in PLAN_REMAINDERS:
             raise ValueError(
                 f"`remainder` must be one of {REMAINDER_POLICIES}. "
                 f"Received: remainder={self.remainder!r}"
@@ -190,6 +196,22 @@ class BatchPlan:
         start = index * self.batch_size
         return min(self.batch_size, self.num_samples - start)
 
+    def batch_rows(self, index: int) -> int:
+        """Rows of batch `index` as its step sees them: `static_rows`, but for a short last
+        batch that runs whole (`remainder="whole"`): its real rows."""
+        if self.remainder == "whole":
+            real = self.rows_in_batch(index)
+            if real < self.batch_size:
+                return real
+        return self.static_rows
+
+    @property
+    def remainder_rows(self) -> int | None:
+        """The rows of a last batch that runs whole, unpadded; None where there is none."""
+        if self.remainder != "whole" or self.num_samples % self.batch_size == 0:
+            return None
+        return self.num_samples % self.batch_size
+
     @functools.cached_property
     def real_rows(self) -> np.ndarray:
         """Real rows of every batch, as int64: the table the input pipelines index."""
@@ -199,13 +221,18 @@ class BatchPlan:
     def weight_scales(self) -> np.ndarray:
         """The factor on every real row's weight, per batch, as float32."""
         if self.training:
-            return (self.static_rows / self.real_rows).astype("float32")
+            scales = (self.static_rows / self.real_rows).astype("float32")
+            if self.remainder_rows is not None:
+                scales[-1] = 1.0  # Its own rows alone: nothing to scale.
+            return scales
         uniform = self.num_batches * self.static_rows / self.real_rows.sum()
         return np.full(self.num_batches, uniform, "float32")
 
     @property
     def pads(self) -> bool:
         """Whether any batch carries padding rows."""
+        if self.remainder == "whole":  # Its full batches only, which all have as many rows.
+            return self.static_rows != self.batch_size and self.num_samples >= self.batch_size
         return bool((self.real_rows != self.static_rows).any())
 
     def describe(self) -> str:

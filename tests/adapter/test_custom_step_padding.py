@@ -83,12 +83,29 @@ def test_a_step_that_honours_weights_trains_every_row_by_default(acc):
 
 
 def test_a_step_that_reads_no_weights_drops_the_partial_batch(acc):
+    if acc.num_replicas == 1:
+        pytest.skip("one replica: the partial batch runs unpadded (the next test)")
     x, y = _data()
     with acc.scope():
         ours = _model(Unweighted)
     with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
         acc.fit(ours, x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert int(keras.ops.convert_to_numpy(ours.optimizer.iterations)) == ROWS // BATCH
+
+
+def test_on_one_replica_a_step_that_reads_no_weights_trains_every_row_unpadded():
+    one = Accelerator(devices=1)
+    x, y = _data()
+    with one.scope():
+        ours = _model(Unweighted)
+    plain = _model(Unweighted)
+    with pytest.warns(UserWarning, match=r"gets \(x, y\) batches; the last partial batch \(5 of"):
+        history = one.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    expected = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    assert_weights_close(weights_of(ours), weights_of(plain))
+    assert one.num_recompiles == 0  # The last batch's shape is expected, not a recompile.
 
 
 class Unpacking(keras.Model):
@@ -102,5 +119,15 @@ def test_a_step_that_cannot_take_padding_weights_is_told_why_and_what_works(acc)
     x, y = _data()
     with acc.scope():
         ours = _model(Unpacking)
-    with pytest.raises(ValueError, match=r"Unpacking.test_step failed on a batch .* Accept a"):
-        acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0)
+    if acc.num_replicas > 1:  # Refused before it runs, naming the step and what works.
+        with pytest.raises(
+            ValueError, match=r"Unpacking overrides test_step and gets \(x, y\) batches.* pads"
+        ):
+            acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0)
+    one = Accelerator(devices=1)  # One replica: its last batch unpadded, as in plain Keras.
+    with one.scope():
+        ours = _model(Unpacking)
+    plain = _model(Unpacking)
+    with pytest.warns(UserWarning, match="runs unpadded"):
+        got = one.evaluate(ours, x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got == pytest.approx(plain.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))

@@ -215,11 +215,14 @@ def test_custom_test_step_evaluates_exactly_when_nothing_is_padded():
 
 
 def test_custom_test_step_that_cannot_take_padding_weights_gets_a_clear_error():
+    # Refused before it runs: the step unpacks (x, y), and would be given padding rows.
     acc = Accelerator()
     model, _ = _pair(acc, EvalModel, loss="mse", metrics=["mae"])
     x, y = _data()
     with pytest.raises(
-        ValueError, match=r"EvalModel.test_step failed .*\(200 rows in batches of 32"
+        ValueError,
+        match=r"EvalModel overrides test_step and gets \(x, y\) batches, and `evaluate` pads "
+        r"its batches \(200 rows in batches of 32 over 8 replicas\).* unpack_x_y_sample_weight",
     ):
         acc.evaluate(model, x, y, batch_size=BATCH, verbose=0)
 

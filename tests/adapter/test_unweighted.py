@@ -98,9 +98,19 @@ def _data():
     return rng.normal(size=(ROWS, 4)).astype("float32"), rng.integers(0, 3, ROWS)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(devices=NUM_DEVICES)
+# One replica runs the last partial batch unpadded; several drop it (training) or refuse
+# (evaluation) instead.
+COUNTS = sorted({1, NUM_DEVICES})
+
+
+@pytest.fixture(scope="module", params=COUNTS, ids=[f"{n}_replicas" for n in COUNTS])
+def acc(request):
+    return Accelerator(devices=request.param)
+
+
+def _kept(acc, rows=ROWS):
+    """The rows `fit` trains on: all where the last partial batch runs unpadded."""
+    return rows if acc.num_replicas == 1 else rows // BATCH * BATCH
 
 
 def test_the_models_own_code_is_read_for_what_weights_rows():
@@ -152,14 +162,23 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend, re
     plain.set_weights(ours.get_weights())
     with pytest.warns(UserWarning, match=r"Distiller.compute_loss does not hand on .*\(5 of 21"):
         history = acc.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    # Padding rows would count in its loss: the last partial batch is dropped instead.
-    kept = ROWS // BATCH * BATCH
+    # Padding rows would count in its loss: the last partial batch runs unpadded (one
+    # replica) or is dropped (several).
+    kept = _kept(acc)
     expected = plain.fit(x[:kept], y[:kept], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     assert_weights_close(weights_of(ours), weights_of(plain))
-    # An evaluation must see every row: refused where it would pad, naming the code...
-    with pytest.raises(ValueError, match=r"Distiller.compute_loss does not hand on .* pads"):
-        acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0)
+    assert acc.num_recompiles == 0
+    # An evaluation must see every row: unpadded on one replica, refused on several where
+    # it would pad, naming the code...
+    if acc.num_replicas == 1:
+        with pytest.warns(UserWarning, match="runs unpadded"):
+            got = acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        want = plain.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        assert got == pytest.approx(want, rel=1e-5)
+    else:
+        with pytest.raises(ValueError, match=r"Distiller.compute_loss does not hand on .* pads"):
+            acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0)
     # ...and as plain Keras where nothing pads.
     ours_logs = acc.evaluate(ours, x[:16], y[:16], batch_size=BATCH, verbose=0, return_dict=True)
     plain_logs = plain.evaluate(x[:16], y[:16], batch_size=BATCH, verbose=0, return_dict=True)
@@ -190,7 +209,7 @@ def test_a_layers_add_loss_never_sees_padding_rows(acc, backend, request):
     plain.set_weights(ours.get_weights())
     with pytest.warns(UserWarning, match=r"\(5 of 21 rows"):
         history = acc.fit(ours, data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    kept = {name: value[:16] for name, value in data.items()}
+    kept = {name: value[: _kept(acc)] for name, value in data.items()}
     expected = plain.fit(kept, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     assert_weights_close(weights_of(ours), weights_of(plain))
