@@ -72,6 +72,14 @@ def collect_until(done, timeout_s=30.0):
         time.sleep(0.05)
 
 
+def unpadded_remainder(acc) -> bool:
+    """Whether `acc` runs a last partial batch unpadded where padding would reach code that
+    weights no rows (docs/accelerator.md, "Padded, unpadded or dropped"): on one replica, and
+    on JAX, whose one program cuts it to its real rows; elsewhere it is dropped (training) or
+    refused (evaluation)."""
+    return acc.num_replicas == 1 or keras.backend.backend() == "jax"
+
+
 def weights_of(model):
     return [np.asarray(w) for w in model.get_weights()]
 

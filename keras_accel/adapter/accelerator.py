@@ -61,9 +61,10 @@ class Accelerator:
             the "model" axis (where it has more than one device).
         remainder: what training does with the last, partial batch: "pad" (padded with
             zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch). The
-            default, None, pads, except where the step cannot be told which rows are
-            padding (a model that overrides `train_step` and gets no sample weights, or
-            training without targets): then the last partial batch is dropped, with a note.
+            default, None, pads, except where the model's code cannot be told which rows
+            are padding (a `train_step` or `compute_loss` of its own that reads no sample
+            weights, `add_loss`, training without targets): then the last partial batch
+            runs unpadded on one replica, and is dropped over several, with a note.
         steps_per_execution: steps per host call in `fit`, `evaluate` and `predict`
             ("host-loop fusion", Keras's knob of that name). "auto" (default) runs up to 32
             steps per call where every callback can take it (see

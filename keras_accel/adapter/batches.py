@@ -14,6 +14,7 @@ import warnings
 from keras_accel.adapter.exactness import inexact_under_padding
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.pipeline import preprocessor, with_made_targets
+from keras_accel.adapter.runtime import Runtime
 from keras_accel.adapter.steps import StepContract, honours_sample_weight, overrides
 from keras_accel.adapter.unweighted import unweighted_code
 from keras_accel.data import sources
@@ -66,7 +67,7 @@ class Batches:
         else:
             reason = "; ".join(unweighted)
         if self.remainder is None and plan.static_rows == plan.batch_size:
-            whole = self._whole(make, plan, reason, kind)
+            whole = self._whole(make, plan, reason, kind, model)
             if whole is not None:
                 return whole
             return _dropped(
@@ -107,7 +108,7 @@ class Batches:
         batches = make(None)
         found = self._blind_evaluation(model, batches)
         if found and batches.plan.static_rows == batches.plan.batch_size:
-            whole = self._whole(make, batches.plan, "; ".join(found), kind)
+            whole = self._whole(make, batches.plan, "; ".join(found), kind, model)
             if whole is not None:
                 return whole
         _check_evaluation(batches, name)
@@ -144,7 +145,7 @@ class Batches:
             return batches
         plan = batches.plan
         if self.remainder is None and plan.static_rows == plan.batch_size:
-            whole = self._whole(make, plan, "; ".join(found), kind)
+            whole = self._whole(make, plan, "; ".join(found), kind, model)
             if whole is not None:
                 return whole
             return _dropped(
@@ -176,13 +177,18 @@ class Batches:
             return found
         return inexact_under_padding(model, sources.sample_batch(batches))
 
-    def _whole(self, make, plan, reason: str, kind):
-        """The batches with their short last batch unpadded, as a batch of its real rows
-        alone (compiled once more, for its shape), where the runtime runs one
-        (`Runtime.runs_whole_remainder`) and the input is arrays; else None. Said once."""
-        if kind != sources.ARRAYS or not self.feeder.runtime.runs_whole_remainder:
+    def _whole(self, make, plan, reason: str, kind, model):
+        """The batches with their short last batch reaching the model's code unpadded, as
+        its real rows alone (compiled once more, for its shape), where the runtime runs one
+        (`Runtime.whole_remainder`) and the input is numeric arrays read a batch at a time
+        (text and keras-hub preprocessing run in tf.data pipelines, which pad); else None.
+        Said once."""
+        mode = self.feeder.runtime.whole_remainder
+        if mode is None or kind != sources.ARRAYS or preprocessor(model) is not None:
             return None
-        whole = make("whole")
+        whole = make(mode)
+        if not Runtime.numeric_arrays(whole, array_likes=True):
+            return None
         rows = whole.plan.remainder_rows
         if rows is None:
             return None

@@ -10,6 +10,7 @@ import dataclasses
 import warnings
 
 from keras_accel.data import sources
+from keras_accel.data.batching import UNPADDED
 
 DEFAULT_BATCH_SIZE = 32  # Keras's own default for array inputs.
 
@@ -45,7 +46,7 @@ class Feeder:
         the caller has classified it already; else classified here, once."""
         if kind is None:
             kind = sources.classify(x)
-        if not training and remainder != "whole":
+        if not training and remainder not in UNPADDED:
             remainder = "pad"  # Evaluation and prediction must see every row.
         if kind != sources.ARRAYS:
             if class_weight is not None and kind not in (sources.TF_DATASET, sources.PY_DATASET):

@@ -49,13 +49,15 @@ class Runtime:
         self.num_replicas = plan.num_replicas
 
     @property
-    def runs_whole_remainder(self) -> bool:
-        """Whether a last partial batch can run unpadded, as a batch of its real rows, through
-        a step compiled for its shape (`BatchPlan`'s "whole" remainder): on one replica,
-        where no batch needs to split. Where replicas or processes each take a share of a
-        batch, it cannot split evenly, and the Accelerator drops or refuses it instead
+    def whole_remainder(self) -> str | None:
+        """How a last partial batch reaches the model's code unpadded, where padding rows
+        cannot be weighted out of it (`keras_accel.data.batching.PLAN_REMAINDERS`), or None
+        where it cannot: "whole", a batch of its real rows through a step compiled for its
+        shape, on one replica, where no batch needs to split. Where replicas or processes
+        each run their own program on a share of each batch (TensorFlow's, torch's) it
+        cannot split evenly, and the Accelerator drops or refuses it instead
         (`keras_accel.adapter.batches`)."""
-        return self.num_replicas == 1
+        return "whole" if self.num_replicas == 1 else None
 
     def device_scope(self):
         """The context that puts new variables on the plan's one device (`native` None)."""

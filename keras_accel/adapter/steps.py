@@ -35,7 +35,7 @@ from keras import ops
 
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.unweighted import hands_on_sample_weight
-from keras_accel.data.batching import unpack
+from keras_accel.data.batching import cut_rows, unpack
 from keras_accel.utils import keras_internals
 
 STEP_KINDS = ("train", "test", "predict")
@@ -166,6 +166,14 @@ def _wrap(model, kind, original, contracts, record, row_count):
         # JAX steps are `step(state, data)`, TF and torch steps `step(data)`.
         *state, data = args
         x, y, sample_weight, row_mask = unpack(data)
+        cut = cut_rows(data)
+        if cut is not None:
+            # A short last batch padded to the others' shape, marked with its real rows
+            # (`BatchPlan.cut_rows`): the model's code sees those alone, as in plain Keras.
+            x, y, sample_weight = keras.tree.map_structure(
+                lambda a: None if a is None else a[:cut], (x, y, sample_weight)
+            )
+            row_mask = None
         contract = contracts.get(kind) or StepContract(pass_weights=False)
         padded = contract.padded and row_mask is not None
         counted = None

@@ -48,11 +48,14 @@ from typing import Any
 import numpy as np
 
 REMAINDER_POLICIES = ("pad", "drop")
-# What a plan does with a short last batch: a user's policy, or "whole", which runs it as a
-# batch of its real rows alone, unpadded (chosen by the Accelerator where the model's code
-# cannot weight padding rows out and the runtime runs such a batch: `keras_accel.adapter.
-# batches`).
-PLAN_REMAINDERS = (*REMAINDER_POLICIES, "whole")
+# What a plan does with a short last batch: a user's policy, or one of two ways to give the
+# model's step its real rows alone, unpadded, chosen by the Accelerator where the model's
+# code cannot weight padding rows out (`keras_accel.adapter.batches`), by what the runtime
+# runs (`Runtime.whole_remainder`): "whole", a batch of its real rows (one replica); "cut",
+# padded as any other, and marked with its real row count, so that the step cuts the padding
+# off before the model's code sees it (JAX, whose program holds the global batch).
+PLAN_REMAINDERS = (*REMAINDER_POLICIES, "whole", "cut")
+UNPADDED = ("whole", "cut")
 
 
 def static_batch_size(batch_size: int, num_replicas: int) -> int:
@@ -131,11 +134,21 @@ def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([array, padding], axis=0)
 
 
-def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any) -> tuple:
-    """The batch the Accelerator's step wrappers receive (see the module docstring)."""
+def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any, cut: int | None = None) -> tuple:
+    """The batch the Accelerator's step wrappers receive (see the module docstring).
+
+    `cut` (a plan's `cut_rows`): the real rows the step cuts the batch to, 0 for none,
+    carried as the shape of an empty marker array `(0, cut)` beside the row mask: a shape is
+    what a compiled step knows when it is traced, and 0 rows split over any number of
+    devices. Every batch of a call carries one, so that all have one structure."""
+    if cut is None:
+        if y is None:
+            return (x,) if row_mask is None else (x, row_mask)
+        return x, y, (sample_weight, row_mask)
+    marker = np.zeros((0, cut), "float32")
     if y is None:
-        return (x,) if row_mask is None else (x, row_mask)
-    return x, y, (sample_weight, row_mask)
+        return x, (row_mask, marker)
+    return x, y, (sample_weight, row_mask, marker)
 
 
 def unpack(data: Any) -> tuple[Any, Any, Any, Any]:
@@ -143,9 +156,23 @@ def unpack(data: Any) -> tuple[Any, Any, Any, Any]:
     if len(data) == 1:
         return data[0], None, None, None
     if len(data) == 2:
-        return data[0], None, None, data[1]
-    x, y, (sample_weight, row_mask) = data
+        mask = data[1][0] if isinstance(data[1], tuple) else data[1]
+        return data[0], None, None, mask
+    x, y, (sample_weight, row_mask, *_) = data
     return x, y, sample_weight, row_mask
+
+
+def cut_rows(data: Any) -> int | None:
+    """The real rows a batch from `pack` is to be cut to in the step, or None (not marked, or
+    a full batch)."""
+    if len(data) == 2 and isinstance(data[1], tuple):
+        marker = data[1][1]
+    elif len(data) == 3 and len(data[2]) == 3:
+        marker = data[2][2]
+    else:
+        return None
+    rows = int(marker.shape[1])
+    return rows or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +185,8 @@ class BatchPlan:
             has exactly this many).
         static_rows: rows per batch as the compiled step sees them (a replica multiple).
         remainder: "pad" keeps the last partial batch (padded); "drop" skips it; "whole"
-            keeps it unpadded, as a batch of its real rows (`batch_rows`).
+            keeps it unpadded, as a batch of its real rows (`batch_rows`); "cut" pads it,
+            marked to be cut to its real rows in the step (`cut_rows`).
         training: selects the weight rule (see the module docstring).
     """
 
@@ -205,10 +233,19 @@ class BatchPlan:
                 return real
         return self.static_rows
 
+    def cut_rows(self, index: int) -> int | None:
+        """Under `remainder="cut"`, the real rows batch `index`'s step cuts it to (its
+        marker, `pack`): a short last batch's rows, 0 for a full batch (nothing to cut);
+        None under any other remainder (no marker)."""
+        if self.remainder != "cut":
+            return None
+        real = self.rows_in_batch(index)
+        return real if real < self.batch_size else 0
+
     @property
     def remainder_rows(self) -> int | None:
-        """The rows of a last batch that runs whole, unpadded; None where there is none."""
-        if self.remainder != "whole" or self.num_samples % self.batch_size == 0:
+        """The rows of a last batch that runs unpadded; None where there is none."""
+        if self.remainder not in UNPADDED or self.num_samples % self.batch_size == 0:
             return None
         return self.num_samples % self.batch_size
 
@@ -231,7 +268,7 @@ class BatchPlan:
     @property
     def pads(self) -> bool:
         """Whether any batch carries padding rows."""
-        if self.remainder == "whole":  # Its full batches only, which all have as many rows.
+        if self.remainder in UNPADDED:  # Its full batches only, which all have as many rows.
             return self.static_rows != self.batch_size and self.num_samples >= self.batch_size
         return bool((self.real_rows != self.static_rows).any())
 
@@ -382,8 +419,8 @@ def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:
     return flat.pop() if flat else 0
 
 
-def element(batch, carry_mask: bool, rows, static_rows: int | None = None):
-    """One padded batch as Keras's step reads it: `pack(x, y, weights, mask)` with the
+def element(batch, carry_mask: bool, rows, static_rows: int | None = None, cut=None):
+    """One padded batch as Keras's step reads it: `pack(x, y, weights, mask, cut)` with the
     row mask, or `(x,)` / `(x, y, weights)` without; `rows` picks a slice of its rows (of a
     batch of `static_rows`; the same fraction of a larger bucket, `share_rows`)."""
     x, y, sample_weight, row_mask = batch
@@ -395,4 +432,4 @@ def element(batch, carry_mask: bool, rows, static_rows: int | None = None):
         )
     if not carry_mask:
         return (x,) if y is None else (x, y, sample_weight)
-    return pack(x, y, sample_weight, row_mask)
+    return pack(x, y, sample_weight, row_mask, cut)

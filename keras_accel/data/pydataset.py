@@ -42,13 +42,15 @@ class StaticBatchDataset(keras.utils.PyDataset):
         return len(self.batches)
 
     def __getitem__(self, index: int):
+        # The real rows the step cuts a marked batch to (`BatchPlan.cut_rows`), or None.
+        cut = getattr(self.batches.plan, "cut_rows", lambda index: None)(index)
         if self.rows is not None and getattr(self.batches, "reads_rows", False):
             # Arrays: only this process's rows are read (`ArrayBatches.batch`), not the
             # other processes' too.
             batch = self.batches.batch(index, scale=not self.carry_mask, rows=self.rows)
-            return element(batch, self.carry_mask, None)
+            return element(batch, self.carry_mask, None, cut=cut)
         batch = self.batches.batch(index, scale=not self.carry_mask)
-        return element(batch, self.carry_mask, self.rows, self.batches.plan.static_rows)
+        return element(batch, self.carry_mask, self.rows, self.batches.plan.static_rows, cut)
 
     def on_epoch_end(self) -> None:
         self.batches.on_epoch_end()

@@ -12,7 +12,7 @@ import pytest
 from keras_accel import Accelerator
 from keras_accel.adapter.steps import honours_sample_weight
 from tests.conftest import NUM_DEVICES
-from tests.helpers import assert_weights_close, weights_of
+from tests.helpers import assert_weights_close, unpadded_remainder, weights_of
 
 pytestmark = pytest.mark.torch
 
@@ -83,8 +83,8 @@ def test_a_step_that_honours_weights_trains_every_row_by_default(acc):
 
 
 def test_a_step_that_reads_no_weights_drops_the_partial_batch(acc):
-    if acc.num_replicas == 1:
-        pytest.skip("one replica: the partial batch runs unpadded (the next test)")
+    if unpadded_remainder(acc):
+        pytest.skip("one replica, or JAX: the partial batch runs unpadded (the next test)")
     x, y = _data()
     with acc.scope():
         ours = _model(Unweighted)
@@ -93,8 +93,11 @@ def test_a_step_that_reads_no_weights_drops_the_partial_batch(acc):
     assert int(keras.ops.convert_to_numpy(ours.optimizer.iterations)) == ROWS // BATCH
 
 
-def test_on_one_replica_a_step_that_reads_no_weights_trains_every_row_unpadded():
-    one = Accelerator(devices=1)
+@pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))
+def test_a_step_that_reads_no_weights_trains_every_row_unpadded(devices, backend):
+    if devices > 1 and backend != "jax":
+        pytest.skip("several replicas each run their own program: the batch is dropped")
+    one = Accelerator(devices=devices)
     x, y = _data()
     with one.scope():
         ours = _model(Unweighted)
@@ -119,7 +122,7 @@ def test_a_step_that_cannot_take_padding_weights_is_told_why_and_what_works(acc)
     x, y = _data()
     with acc.scope():
         ours = _model(Unpacking)
-    if acc.num_replicas > 1:  # Refused before it runs, naming the step and what works.
+    if not unpadded_remainder(acc):  # Refused before it runs, naming it and what works.
         with pytest.raises(
             ValueError, match=r"Unpacking overrides test_step and gets \(x, y\) batches.* pads"
         ):

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 
 from keras_accel import Accelerator
-from tests.helpers import FEW_REPLICAS, Batches, assert_weights_close, compiled_mlp, data, mlp
+from tests.helpers import (
+    FEW_REPLICAS,
+    Batches,
+    assert_weights_close,
+    compiled_mlp,
+    data,
+    mlp,
+    unpadded_remainder,
+)
 
 
 def _pair(acc):
@@ -164,9 +172,10 @@ def test_targetless_training_drops_the_partial_batch_with_a_note_and_matches_ker
     x = np.random.default_rng(0).normal(size=(20, 4)).astype("float32")
     with pytest.warns(UserWarning, match=r"no targets .* \(4 of 20 rows"):
         acc.fit(model, x, batch_size=8, shuffle=False, verbose=0)
-    # Padding rows would count in the layer's loss: over several replicas the last 4 rows
-    # are dropped instead; on one they run unpadded, as a batch of 4.
-    twin.fit(x[:16] if acc.num_replicas > 1 else x, batch_size=8, shuffle=False, verbose=0)
+    # Padding rows would count in the layer's loss: the last 4 rows run unpadded, as a batch
+    # of 4 (one replica; JAX), or are dropped (several TensorFlow replicas).
+    rows = x if unpadded_remainder(acc) else x[:16]
+    twin.fit(rows, batch_size=8, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())
     indivisible = Accelerator(devices=FEW_REPLICAS, remainder="drop")
     with indivisible.scope():

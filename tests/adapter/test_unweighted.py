@@ -13,7 +13,7 @@ from keras import ops
 from keras_accel import Accelerator
 from keras_accel.adapter.unweighted import hands_on_sample_weight, unweighted_code
 from tests.conftest import NUM_DEVICES
-from tests.helpers import assert_weights_close, weights_of
+from tests.helpers import assert_weights_close, unpadded_remainder, weights_of
 
 pytestmark = pytest.mark.torch
 
@@ -98,8 +98,8 @@ def _data():
     return rng.normal(size=(ROWS, 4)).astype("float32"), rng.integers(0, 3, ROWS)
 
 
-# One replica runs the last partial batch unpadded; several drop it (training) or refuse
-# (evaluation) instead.
+# One replica, and JAX on any, run the last partial batch unpadded; several TensorFlow
+# replicas drop it (training) or refuse (evaluation) instead.
 COUNTS = sorted({1, NUM_DEVICES})
 
 
@@ -110,7 +110,7 @@ def acc(request):
 
 def _kept(acc, rows=ROWS):
     """The rows `fit` trains on: all where the last partial batch runs unpadded."""
-    return rows if acc.num_replicas == 1 else rows // BATCH * BATCH
+    return rows if unpadded_remainder(acc) else rows // BATCH * BATCH
 
 
 def test_the_models_own_code_is_read_for_what_weights_rows():
@@ -163,15 +163,15 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend, re
     with pytest.warns(UserWarning, match=r"Distiller.compute_loss does not hand on .*\(5 of 21"):
         history = acc.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     # Padding rows would count in its loss: the last partial batch runs unpadded (one
-    # replica) or is dropped (several).
+    # replica; JAX) or is dropped (several TensorFlow replicas).
     kept = _kept(acc)
     expected = plain.fit(x[:kept], y[:kept], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     assert_weights_close(weights_of(ours), weights_of(plain))
     assert acc.num_recompiles == 0
-    # An evaluation must see every row: unpadded on one replica, refused on several where
-    # it would pad, naming the code...
-    if acc.num_replicas == 1:
+    # An evaluation must see every row: unpadded (one replica; JAX), refused on several
+    # TensorFlow replicas where it would pad, naming the code...
+    if unpadded_remainder(acc):
         with pytest.warns(UserWarning, match="runs unpadded"):
             got = acc.evaluate(ours, x, y, batch_size=BATCH, verbose=0, return_dict=True)
         want = plain.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)

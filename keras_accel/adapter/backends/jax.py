@@ -291,6 +291,14 @@ class Runtime(runtime.Runtime):
             )
         return slice(start, stop)
 
+    @property
+    def whole_remainder(self) -> str | None:
+        """One program holds the global batch, on any number of devices and processes: a
+        short last batch is padded to the others' shape and cut to its real rows inside the
+        step ("cut"), where the compiler splits them over the devices as it can; on one
+        device a batch of its real rows ("whole")."""
+        return "whole" if self.native is None else "cut"
+
     def device_scope(self):
         return jax.default_device(_jax_device(self.plan.devices[0]))
 
