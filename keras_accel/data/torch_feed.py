@@ -9,6 +9,18 @@ here it is gathered in the trainer's thread, when the step asks for it, and hand
 the tensor Keras's conversion would make (`torch.as_tensor` with the array's own dtype,
 on Keras's device; shared memory on the CPU, as Keras's is). The batches, their order and
 the epochs' row orders are the PyDataset's: `StaticBatchDataset` serves them as before.
+
+torch's global generator is drawn from as Keras's DataLoader draws from it, though no
+DataLoader runs: an unseeded `Dropout` on Keras's torch backend
+(`torch.nn.functional.dropout`) draws its mask from that generator, so a draw the data path
+adds or leaves out changes every mask after it. Keras's array DataLoader draws one int64
+each time an iterator of it is made (its base seed, `_BaseDataLoaderIter.__init__`), and,
+shuffling, one more as its first batch is read (`RandomSampler`'s seed; with
+`shuffle="batch"`, a `torch.randperm` of each batch's rows as it is read). Keras's epoch
+iterator makes an iterator at each epoch's start and another at its end (each evaluation's
+and prediction's alike), and its `_symbolic_build` one more when it builds a model from the
+data. `TorchLoader` draws the same, at the same moments (`draw_as_keras_reads`: for the
+build, which the Accelerator makes from the batch it has already).
 """
 
 from __future__ import annotations
@@ -37,6 +49,36 @@ _SAME_DTYPE = frozenset(
 )
 
 
+def draw_as_an_iterator_is_made() -> None:
+    """What making an iterator of Keras's torch DataLoader draws from torch's global
+    generator: the base seed of `_BaseDataLoaderIter.__init__` (a DataLoader without a
+    generator of its own, as Keras's are)."""
+    import torch
+
+    torch.empty((), dtype=torch.int64).random_()
+
+
+def draw_as_keras_reads(adapter) -> None:
+    """What Keras's `_symbolic_build` draws from torch's global generator where it reads the
+    first batch of `adapter` (it makes an iterator of the adapter's DataLoader and reads one
+    batch): the Accelerator builds the model from the batch it has already, so only the
+    draws are made. Keras's own adapters (a PyDataset's, a generator's, tf.data's) are read
+    through a real DataLoader over an `IterableDataset`: its iterator is made (its own
+    draw), no batch read (which draws nothing)."""
+    if isinstance(adapter, TorchBatches):
+        iterator = iter(adapter.get_torch_dataloader())
+        iterator.draw_first_read()
+        return
+    try:
+        loader = adapter.get_torch_dataloader()
+    except NotImplementedError:
+        return
+    import torch
+
+    if isinstance(loader, torch.utils.data.DataLoader):
+        iter(loader)
+
+
 class TorchBatches(DatasetPasses):
     """`dataset` (a `keras_accel.data.pydataset.StaticBatchDataset` over arrays) as a Keras
     data adapter whose torch iterator yields each batch as torch tensors (see the module
@@ -46,9 +88,19 @@ class TorchBatches(DatasetPasses):
     feeds = "the torch trainer"
 
     def get_torch_dataloader(self):
-        return self._pass()
+        return TorchLoader(self)
 
-    def _pass(self):
+    @property
+    def shuffle(self):
+        """How plain Keras's DataLoader would shuffle these batches' rows: `fit`'s `shuffle`
+        (False for evaluation and prediction, whose batches never shuffle)."""
+        return getattr(self.dataset.batches, "shuffle", False)
+
+    def real_rows(self, index: int) -> int:
+        """The real rows of global batch `index`: the rows of Keras's batch."""
+        return int(self.dataset.batches.plan.real_rows[index])
+
+    def _pass(self, draws):
         import torch
 
         # Keras's device now (a `keras.device` scope around the call counts), read as
@@ -65,4 +117,44 @@ class TorchBatches(DatasetPasses):
             return None if leaf is None else keras.ops.convert_to_tensor(leaf)
 
         for index in range(self.dataset.num_batches):
+            draws(index)
             yield keras.tree.map_structure(convert, self.dataset[index])
+
+
+class TorchLoader:
+    """What `TorchBatches.get_torch_dataloader` returns: an iterable whose iterators draw
+    from torch's global generator what the iterators of Keras's DataLoader over the same
+    arrays draw (see the module docstring), and serve the batches."""
+
+    def __init__(self, batches: TorchBatches):
+        self.batches = batches
+
+    def __iter__(self):
+        return _LoaderIterator(self.batches)
+
+
+class _LoaderIterator:
+    def __init__(self, batches: TorchBatches):
+        self.batches = batches
+        draw_as_an_iterator_is_made()  # Made: the base seed, before any batch is read.
+        self._batches = batches._pass(self._draw_for)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._batches)
+
+    def _draw_for(self, index: int) -> None:
+        """What Keras's sampler draws as batch `index` is read."""
+        import torch
+
+        shuffle = self.batches.shuffle
+        if shuffle == "batch":  # Keras's RandomBatchSampler: a permutation of each batch.
+            torch.randperm(self.batches.real_rows(index))
+        elif shuffle and index == 0:  # Keras's RandomSampler: its seed, as the pass begins.
+            torch.empty((), dtype=torch.int64).random_()
+
+    def draw_first_read(self) -> None:
+        """The draws of reading the first batch, without reading it."""
+        self._draw_for(0)

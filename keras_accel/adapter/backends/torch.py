@@ -294,11 +294,19 @@ class Runtime(runtime.Runtime):
         if first_batch is not None:
             # Keras builds a model from the first batch it reads; ours carries the row mask,
             # which only our step wrappers understand: build from the batch the model's step
-            # sees instead.
+            # sees instead, drawing from torch's generator what Keras's read would draw.
+            from keras_accel.data.torch_feed import draw_as_keras_reads
+
             keras_internals.install_symbolic_build(
-                patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+                patches,
+                model,
+                first_batch,
+                overrides_a_step=overrides_any_step(model),
+                skipped_read=draw_as_keras_reads,
             )
         if self.num_replicas == 1:
+            if training:  # A padded batch's draws are those of its real rows (torch_rows).
+                torch_rows.GlobalRowDraws(1, 0).install(patches, model)
             # One process: Keras's steps compiled, one program each, where measured
             # faster (torch_compiled).
             torch_compiled.install(patches, model)

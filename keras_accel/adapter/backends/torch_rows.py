@@ -138,15 +138,31 @@ def _rows_message(metric, leaves) -> str:
 
 class GlobalRowDraws:
     """During training, per-row random layers draw the global batch's numbers (see the module
-    docstring): installed per call on the layer instances."""
+    docstring), on its real rows only: installed per call on the layer instances, in one
+    process too (where the global batch is the process's)."""
 
     def __init__(self, world: int, rank: int):
         self.world = world
         self.rank = rank
+        self._counted = (None, 0)  # The step's row count, and the real rows it gave.
 
     def install(self, patches, model) -> int:
         """Installs on every layer of `model` that `global_rows.draws`; returns how many."""
         return install_row_draws(patches, model, self._global)
+
+    def real_rows(self, static: int) -> int:
+        """The real rows of the step's global batch of `static` rows: its first rows, the
+        padding last. Plain Keras's last batch holds only these, and a draw of more rows
+        takes more numbers from torch's generator (an unseeded Dropout's), shifting every
+        draw after it."""
+        from keras_accel.adapter.steps import ROW_COUNT
+
+        counted = ROW_COUNT.get()  # Where the call pads: this process's share of the count.
+        if counted is None:
+            return static
+        if self._counted[0] is not counted:  # Once per step: a host sync.
+            self._counted = (counted, int(round(float(counted()) * self.world)))
+        return min(static, self._counted[1])
 
     def _global(self, original):
         world, rank = self.world, self.rank
@@ -154,16 +170,22 @@ class GlobalRowDraws:
         def call(inputs, training=False):
             import torch
 
-            if not training or world == 1 or not isinstance(inputs, torch.Tensor):
+            if not training or not isinstance(inputs, torch.Tensor):
                 return original(inputs, training=training)
             rows = inputs.shape[0]
+            real = self.real_rows(world * rows)
+            if world == 1 and real == rows:
+                return original(inputs, training=training)
             # Zeros where the other processes' rows are: the draw depends on the shape
             # only, and the zeros' outputs are dropped. Concatenated, so the gradient
             # reaches this process's rows through the layer's own backward.
             rest = tuple(inputs.shape[1:])
             before = inputs.new_zeros((rank * rows, *rest))
             after = inputs.new_zeros(((world - rank - 1) * rows, *rest))
-            outputs = original(torch.cat([before, inputs, after], dim=0), training=training)
+            whole = torch.cat([before, inputs, after], dim=0)
+            outputs = original(whole[:real], training=training)
+            if real < whole.shape[0]:  # Padding rows (weight 0) pass through, undrawn.
+                outputs = torch.cat([outputs, whole[real:]], dim=0)
             return outputs[rank * rows : (rank + 1) * rows]
 
         return call

@@ -121,9 +121,28 @@ def needs_symbolic_build(model) -> bool:
     )
 
 
-def install_symbolic_build(patches, model, first_batch, overrides_a_step: bool) -> None:
+def reads_a_batch_to_build(model) -> bool:
+    """Whether Keras's `_symbolic_build` would read a batch from its data now: some layer,
+    compiled metric or compiled loss is unbuilt (an unbuilt optimizer it builds without one)."""
+    compiled_metrics = compile_metrics(model)
+    compiled_loss = compile_loss(model)
+    return (
+        not all(layer.built for layer in flatten_layers(model))
+        or (compiled_metrics is not None and not compiled_metrics.built)
+        or (compiled_loss is not None and not compiled_loss.built)
+    )
+
+
+def install_symbolic_build(
+    patches, model, first_batch, overrides_a_step: bool, skipped_read=None
+) -> None:
     """For the duration of `patches`, Keras builds `model` from `first_batch()`: the batch as
     the model's step sees it, not the Accelerator's batch with its row mask.
+
+    `skipped_read(data_adapter)`, where given, is called where Keras would have read the first
+    batch of its epoch iterator's data to build (`reads_a_batch_to_build`), which it does not
+    here: what reading it would have done beside (torch's random draws, `keras_accel.data.
+    torch_feed.draw_as_keras_reads`).
 
     A model whose layers are all built but which has no `call` of its own (a GAN that
     overrides `train_step` around two sub-models, as in Keras's guide) cannot be built
@@ -134,6 +153,9 @@ def install_symbolic_build(patches, model, first_batch, overrides_a_step: bool) 
     original = require(model, "_symbolic_build", "building a model from a batch")
 
     def build(iterator=None, data_batch=None):
+        reads = skipped_read is not None and data_batch is None and iterator is not None
+        if reads and reads_a_batch_to_build(model):
+            skipped_read(iterator.data_adapter)
         if not needs_symbolic_build(model):
             return None
         try:
