@@ -20,7 +20,9 @@ r the rows `[r * n, (r + 1) * n)` of `P * n`). Two things are not exact from a s
   process's rows at its offset and zeros elsewhere, and keeps its own rows of the output
   (`GlobalRowDraws`): every process draws the global batch's mask, as one process does, and
   the seed generator advances once per call, as in one process. Cost: P times that layer's
-  elementwise work and memory (see docs/accelerator.md, "torch").
+  elementwise work and memory (see docs/accelerator.md, "torch"). A padded batch draws for
+  its real rows only (`GlobalRowDraws.real_rows`), as plain Keras draws for its shorter last
+  batch; this holds in one process too.
 """
 
 from __future__ import annotations
