@@ -1,11 +1,13 @@
 """The batches of one `fit`, `evaluate` or `predict`: the feeder's static batches
 (`keras_accel.adapter.feeder`), checked so that padding never changes a result. Padding rows
 reach the step weighted 0 where every loss and metric honours that
-(`keras_accel.adapter.exactness`); where it cannot (no targets, a `train_step` of the user's
-that is not given the weights, a loss or metric that ignores them) the last partial batch of
-training is dropped with a note saying why and how to keep it, and an evaluation that would
-count padding is refused, naming what would. Also each kind's `StepContract`: what its step
-is given."""
+(`keras_accel.adapter.exactness`); where it cannot (no targets, a step or `compute_loss` of
+the user's that is not given the weights, `add_loss`, a loss or metric that ignores them:
+`keras_accel.adapter.unweighted`) the last partial batch reaches the model's code unpadded
+where the runtime can run it so (`Runtime.whole_remainder`: one replica, JAX), and
+elsewhere training drops it with a note saying why and how to keep it, and an evaluation
+that would count padding is refused, naming what would. Also each kind's `StepContract`:
+what its step is given."""
 
 from __future__ import annotations
 
@@ -226,7 +228,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         "a metric, compute_loss, compute_metrics or test_step handing sample_weight on: "
         "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`), or use a "
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
-        "that nothing is padded (on one device the last partial batch runs unpadded)."
+        "that nothing is padded (on one device, and on JAX, the last partial batch runs "
+        "unpadded)."
     )
 
 
