@@ -195,19 +195,16 @@ def replace_compute_loss(patches, model, make: Callable) -> None:
     patches.set(model, "compute_loss", compute_loss)
 
 
-def replace_step_and_added_losses(patches, model, step: Callable, added: Callable) -> None:
-    """For the duration of `patches`: Keras's step computes its loss through
-    `step(model._compute_loss)`, and Keras's `compute_loss` sums each added loss
+def replace_added_losses(patches, model, added: Callable) -> None:
+    """For the duration of `patches`, Keras's `compute_loss` sums each added loss
     (regularizers, `add_loss`; TF divides each by the replica count) through
     `added(model._aggregate_additional_loss)`."""
-    keras_step_loss = require(model, "_compute_loss", "the loss a custom step reports on TF")
     aggregate = require(
         model,
         "_aggregate_additional_loss",
-        "the regularization losses a class's own compute_loss sees on TF",
+        "the added losses (regularizers, add_loss) a class's own compute_loss sees on TF",
     )
     patches.set(model, "_aggregate_additional_loss", added(aggregate))
-    patches.set(model, "_compute_loss", step(keras_step_loss))
 
 
 def step_aside_from_keras_ddp(patches, model) -> Callable | None:

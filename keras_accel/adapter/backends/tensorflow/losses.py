@@ -2,13 +2,20 @@
 
 Keras divides each replica's loss by the replica count N (`scale_loss_for_distribution`, in
 a loss's reduction), so that the gradients its optimizer sums are the global batch's. Raw
-`MirroredStrategy` has two gaps there, both measured:
+`MirroredStrategy` has gaps there, all measured:
 
 - a loss whose function returns one number (`ops.mean(...)`) instead of a value per row is
   not divided (Keras divides reduced per-row values only): its gradient counts N times, and
   Keras's loss tracker reports it N times too large;
 - a custom step that reports the loss it computes, through `compute_loss` or through a loss
-  object it holds (as Keras's guides do), reports it divided by N.
+  object it holds (as Keras's guides do), reports it divided by N;
+- a class's own `compute_loss` mixes scales: a Keras loss object in it is divided, an
+  `ops.mean` of its own or `ops.sum(self.losses)` is not (Keras's knowledge-distillation
+  example reported 8.1 times one device's loss over 8 replicas; one with `ops.mean`
+  trains with N times the gradient);
+- a loss a layer computes with a Keras loss object and hands to `add_loss` (keras-io's
+  endpoint layer pattern) is divided twice, by the loss object and by Keras's sum of the
+  added losses: reported and differentiated at 1/N.
 
 For the duration of an Accelerator call, on the instances only:
 
@@ -18,13 +25,26 @@ For the duration of an Accelerator call, on the instances only:
 - `compute_loss` (Keras's own, where a custom step calls it) and those held loss objects
   return the global batch's loss: N times the replica's share, with the share's gradient
   (`share + stop_gradient((N - 1) * share)`). Gradients are Keras's, which the optimizer
-  sums (`gradients.py`); what the step reports is what one device reports.
+  sums (`gradients.py`); what the step reports is what one device reports;
+- a Keras loss object a layer of the model holds (not a nested model) returns the mean over
+  the replica's rows, undivided: what it adds with `add_loss` is then divided once, by
+  Keras's sum of the added losses, like `add_loss(ops.mean(...))`;
+- a class's own `compute_loss` runs as on one device over the replica's rows: inside it
+  nothing is divided (the loss objects the model holds, `super().compute_loss(...)`, its
+  added losses), and what it returns is taken as the replica's mean and divided once by N,
+  here: Keras's step reports and differentiates the replica's share, as with its own
+  `compute_loss`, and a custom step calling it gets the global value with the share's
+  gradient. Reported loss and gradient are one device's (for a loss that is a mean over
+  the batch's rows, as Keras's losses are).
 
 Keras's own steps report their loss through `unscale_loss_for_distribution` already:
-`compute_loss` called from one of them is left as it is, and so are the compiled losses. A
-loss function that is not a Keras loss object (`keras.losses.mean_squared_error` averaged by
-the step itself) is Keras's convention's to get right: as with raw `MirroredStrategy` it is
-not divided, and its gradient counts N times (docs/accelerator.md, "Custom steps").
+Keras's `compute_loss` called from one of them is left as it is, and so are the compiled
+losses. A loss the custom step itself computes without a Keras loss object
+(`ops.mean(keras.losses.mean_squared_error(...))` in a `train_step`) is Keras's
+convention's to get right: as with raw `MirroredStrategy` it is not divided, and its
+gradient counts N times (docs/accelerator.md, "Custom steps"). A Keras loss object a class's
+own `compute_loss` makes anew at each call, rather than holding it, cannot be reached on
+the instance and stays divided there.
 """
 
 from __future__ import annotations
@@ -48,6 +68,10 @@ DIVIDED = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _IN_KERAS_STEP: contextvars.ContextVar = contextvars.ContextVar(
     "keras_accel_in_keras_step", default=False
 )
+# Set while a class's own `compute_loss` runs: nothing is divided inside it.
+_IN_OWN_LOSS: contextvars.ContextVar = contextvars.ContextVar(
+    "keras_accel_in_own_loss", default=False
+)
 
 
 def replicas() -> int:
@@ -67,8 +91,9 @@ def global_value(share):
 def install_uniform_losses(patches: Patches, model) -> None:
     """For the duration of `patches` (see the module docstring): the model's compiled
     losses and the Keras loss objects it holds are divided by the replica count whatever
-    they return, and a custom step sees `compute_loss` and those objects give the global
-    batch's loss."""
+    they return, a custom step sees `compute_loss` and those objects give the global
+    batch's loss, its layers' loss objects are not divided, and a class's own
+    `compute_loss` is divided once, as a whole."""
     compiled = keras_internals.compile_loss(model)
     done = {id(loss) for loss in keras.tree.flatten(getattr(model, "loss", None))}
     done.add(id(compiled))  # Keras's own (a Loss too), and the losses given to compile().
@@ -76,6 +101,13 @@ def install_uniform_losses(patches: Patches, model) -> None:
         if isinstance(value, keras.losses.Loss) and id(value) not in done:
             done.add(id(value))  # Held twice, changed once.
             patches.set(value, "call", _per_row(value, report=True))
+    for layer in keras_internals.flatten_layers(model, include_self=False):
+        if isinstance(layer, keras.Model):
+            continue  # Its own compiled losses and held objects are not called in this step.
+        for value in list(vars(layer).values()):
+            if isinstance(value, keras.losses.Loss) and id(value) not in done:
+                done.add(id(value))
+                patches.set(value, "call", _undivided(value))
     if compiled is not None:
 
         def install():
@@ -85,19 +117,21 @@ def install_uniform_losses(patches: Patches, model) -> None:
         after_build(patches, compiled, install)
     if not _overrides_compute_loss(model):
         keras_internals.replace_compute_loss(patches, model, _reporting)
-    elif compiled is not None:
-        _install_override_reporting(patches, model, compiled)
+        return
+    keras_internals.replace_compute_loss(patches, model, _own_reporting)
+    keras_internals.replace_added_losses(patches, model, _undivided_in_own_loss)
+    if compiled is not None:
+        patches.set(compiled, "call", _undivided_in_own_loss(compiled.call))
 
 
 def _overrides_compute_loss(model) -> bool:
-    """A class's own `compute_loss` decides its own scaling, as under raw MirroredStrategy
-    (Keras's docs override it with an undivided `ops.mean`)."""
+    """Whether the model's class has a `compute_loss` of its own (Keras's docs override it
+    with an `ops.mean` of their own, a Keras loss object, `super().compute_loss(...)`)."""
     return type(model).compute_loss is not keras.Model.compute_loss
 
 
-def _reporting(keras_compute_loss, compute_loss):
-    """`(Keras's _compute_loss, compute_loss)` -> theirs for this call: Keras's own steps
-    get the replica's share; a custom step calling `compute_loss`, the global value."""
+def _in_keras_step(keras_compute_loss):
+    """Keras's `_compute_loss` (what its own steps call), marked as such while it runs."""
 
     def in_keras_step(*args, **kwargs):
         token = _IN_KERAS_STEP.set(True)
@@ -106,69 +140,71 @@ def _reporting(keras_compute_loss, compute_loss):
         finally:
             _IN_KERAS_STEP.reset(token)
 
+    return in_keras_step
+
+
+def _reporting(keras_compute_loss, compute_loss):
+    """`(Keras's _compute_loss, compute_loss)` -> theirs for this call: Keras's own steps
+    get the replica's share; a custom step calling `compute_loss`, the global value."""
+
     def reported(*args, **kwargs):
         share = compute_loss(*args, **kwargs)
         if _IN_KERAS_STEP.get() or share is None:
             return share
         return global_value(share)
 
-    return in_keras_step, reported
+    return _in_keras_step(keras_compute_loss), reported
 
 
-# Inside Keras's own step calling a class's own `compute_loss`: the amounts by which the
-# compiled loss was raised to its global value there (None elsewhere).
-_RAISED: contextvars.ContextVar = contextvars.ContextVar("keras_accel_raised", default=None)
+def _own_reporting(keras_compute_loss, compute_loss):
+    """As `_reporting`, for a class's own `compute_loss`: it runs with nothing divided
+    inside, and what it returns, the replica's mean, is divided once here: the replica's
+    share for Keras's steps, the global value with the share's gradient for a custom
+    step."""
+
+    def reported(*args, **kwargs):
+        token = _IN_OWN_LOSS.set(True)
+        try:
+            mean = compute_loss(*args, **kwargs)
+        finally:
+            _IN_OWN_LOSS.reset(token)
+        if mean is None:
+            return mean
+        share = ops.divide(mean, ops.cast(replicas(), mean.dtype))
+        return share if _IN_KERAS_STEP.get() else global_value(share)
+
+    return _in_keras_step(keras_compute_loss), reported
 
 
-def _install_override_reporting(patches: Patches, model, compiled) -> None:
-    """A class's own `compute_loss` that calls `super().compute_loss(...)` from Keras's
-    step (Keras's trainer tests; "update a metric with the loss" in its docs) sees the
-    global batch's loss there, as on one device, and Keras's step still gets the
-    replica's share back.
+def _undivided_in_own_loss(divided):
+    """`divided` (a function Keras divides the result of by the replica count: the compiled
+    loss, the sum of the added losses) multiplied back while a class's own `compute_loss`
+    runs. The compiled loss runs outside that mark: the held loss objects it applies divide
+    as Keras's do, and its per-output loss metrics, which multiply back themselves, see
+    Keras's values."""
 
-    Keras's `compute_loss` gets its value from the compiled loss (`CompileLoss.call`) and
-    the added losses (`_aggregate_additional_loss`), each raised to the global value (the
-    share's gradient kept, `global_value`) inside Keras's step; whatever the class's
-    `compute_loss` returns then has the raise taken off again, so that Keras reports and
-    differentiates what it would have without us. A `compute_loss` that returns its own
-    loss without calling Keras's keeps Keras's convention (above)."""
-
-    def raising(original):
-        def raised_share(*args, **kwargs):
-            share = original(*args, **kwargs)
-            raised = _RAISED.get()
-            if raised is None or share is None or replicas() == 1:
-                return share
-            value = global_value(share)
-            raised.append(value - share)  # stop_gradient((N - 1) * share): no gradient.
+    def call(*args, **kwargs):
+        if not _IN_OWN_LOSS.get():
+            return divided(*args, **kwargs)
+        token = _IN_OWN_LOSS.set(False)
+        try:
+            value = divided(*args, **kwargs)
+        finally:
+            _IN_OWN_LOSS.reset(token)
+        if value is None:
             return value
+        return ops.multiply(value, ops.cast(replicas(), value.dtype))
 
-        return raised_share
-
-    def lowering(keras_step_loss):
-        def in_keras_step(*args, **kwargs):
-            raised = []
-            token = _RAISED.set(raised)
-            try:
-                loss = keras_step_loss(*args, **kwargs)
-            finally:
-                _RAISED.reset(token)
-            if loss is None or not raised:
-                return loss
-            return loss - ops.cast(sum(raised), loss.dtype)
-
-        return in_keras_step
-
-    # Keras divides both the compiled loss and each added loss (regularizers, `add_loss`)
-    # by the replica count on TF: both are raised.
-    patches.set(compiled, "call", raising(compiled.call))
-    keras_internals.replace_step_and_added_losses(patches, model, lowering, raising)
+    return call
 
 
 def _per_row(loss, report: bool):
     """`loss.call` that returns a value per row (a number repeated over the batch's rows:
-    the same mean, which Keras's reduction then divides by the replica count), times the
-    replica count in value only where `report` and Keras divides it."""
+    the same mean, which Keras's reduction then divides by the replica count). Where
+    `report` (a loss object the model holds) and Keras divides it: inside a class's own
+    `compute_loss` the values are multiplied by the replica count (Keras's division then
+    gives the replica's mean), elsewhere by the replica count in value only (the global
+    value, with the share's gradient)."""
     original = loss.call
 
     def call(y_true, y_pred):
@@ -177,10 +213,31 @@ def _per_row(loss, report: bool):
             leaves = [leaf for leaf in keras.tree.flatten(y_pred) if len(leaf.shape) > 0]
             if leaves:
                 values = ops.broadcast_to(values, ops.shape(leaves[0])[:1])
-        if report and loss.reduction in DIVIDED and replicas() > 1:
+        if report and loss.reduction in DIVIDED:
             mask = keras_internals.keras_mask(values)
-            values = global_value(values)
+            if _IN_OWN_LOSS.get():
+                values = ops.multiply(values, ops.cast(replicas(), values.dtype))
+            else:
+                values = global_value(values)
             keras_internals.set_keras_mask(values, mask)
+        return values
+
+    return call
+
+
+def _undivided(loss):
+    """`loss.call` whose values Keras's reduction, dividing by the replica count, turns into
+    the mean over the replica's rows: multiplied by the replica count, gradient included. A
+    single number Keras does not divide is left as it is."""
+    original = loss.call
+
+    def call(y_true, y_pred):
+        values = original(y_true, y_pred)
+        if len(getattr(values, "shape", ())) == 0 or loss.reduction not in DIVIDED:
+            return values
+        mask = keras_internals.keras_mask(values)
+        values = ops.multiply(values, ops.cast(replicas(), values.dtype))
+        keras_internals.set_keras_mask(values, mask)
         return values
 
     return call
