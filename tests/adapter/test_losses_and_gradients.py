@@ -1,7 +1,10 @@
 """Losses and gradients across replicas, owned by the call: no Keras, TensorFlow or JAX class
 or module changes while a call runs; the optimizer clips the global batch's gradient; a
-custom step's own averaged loss keeps Keras's convention on TensorFlow (docs/accelerator.md,
-"Custom steps")."""
+custom step's own averaged loss keeps Keras's convention on TensorFlow; a class's own
+`compute_loss` (keras-io's knowledge distillation), a layer's `add_loss` of a Keras loss
+(keras-io's endpoint layer) and an Embedding's sparse gradient (keras-io's transformer's
+position embedding) give one device's loss and training (docs/accelerator.md, "Custom
+steps")."""
 
 import keras
 import numpy as np
@@ -201,3 +204,188 @@ def test_a_metric_updated_in_compute_loss_and_jit_compile_give_one_device_s_numb
     assert logs == pytest.approx(
         one_device.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     )
+
+
+def _devices(backend):
+    # torch runs one process here (its processes: tests/adapter/test_torch_losses.py).
+    return None if backend == "torch" else FEW_REPLICAS
+
+
+def _dense(seed, units):
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(
+                8, "relu", kernel_initializer=keras.initializers.GlorotUniform(seed)
+            ),
+            keras.layers.Dense(
+                units, kernel_initializer=keras.initializers.GlorotUniform(seed + 1)
+            ),
+        ]
+    )
+
+
+class Distiller(keras.Model):
+    """keras-io's vision/knowledge_distillation.py: a class's own compute_loss of two Keras
+    loss objects it holds (divided by the replica count on TF), plus, here, a mean of its
+    own (not divided) as Keras's compute_loss docs write one."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher = teacher
+        self.student = student
+
+    def compile(
+        self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha, temperature
+    ):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn = student_loss_fn
+        self.distillation_loss_fn = distillation_loss_fn
+        self.alpha = alpha
+        self.temperature = temperature
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = self.student_loss_fn(y, y_pred)
+        distillation_loss = self.distillation_loss_fn(
+            ops.softmax(teacher_pred / self.temperature, axis=1),
+            ops.softmax(y_pred / self.temperature, axis=1),
+        ) * (self.temperature**2)
+        own = ops.mean(ops.square(y_pred)) * 0.01
+        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss + own
+
+    def call(self, x):
+        return self.student(x)
+
+
+@pytest.mark.torch
+def test_a_class_s_own_compute_loss_reports_and_trains_as_one_device(backend):
+    # TF divided the held loss objects by the replica count and not the mean of its own, and
+    # Keras's step multiplied the sum back: the loss reported 8.1 times one device's over 8
+    # replicas, and the own mean's gradient counted once per replica. 64 rows in batches of
+    # 16: nothing padded (the loss reads no sample_weight).
+    acc = Accelerator(seed=0, devices=_devices(backend))
+
+    def make():
+        model = Distiller(_dense(0, 3), _dense(5, 3))
+        model.compile(
+            keras.optimizers.SGD(0.5),
+            [keras.metrics.SparseCategoricalAccuracy()],
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            keras.losses.KLDivergence(),
+            alpha=0.1,
+            temperature=10,
+        )
+        return model
+
+    with acc.scope():
+        ours = make()
+    one_device = make()
+    x, y = data(64)
+    ours(x[:2]), one_device(x[:2])
+    one_device.set_weights(ours.get_weights())
+    history = acc.fit(ours, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = one_device.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(ours.get_weights(), one_device.get_weights())
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    logs = acc.evaluate(ours, x, y, batch_size=16, verbose=0, return_dict=True)
+    assert logs == pytest.approx(
+        one_device.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    )
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    """keras-io's keras_recipes/endpoint_layer_pattern.py: a layer that adds a Keras loss
+    object's value with `add_loss` and updates a metric."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.accuracy_fn = keras.metrics.BinaryAccuracy()
+
+    def call(self, logits, targets=None, sample_weight=None):
+        if targets is not None:
+            loss = self.loss_fn(targets, logits, sample_weight)
+            self.add_loss(loss)
+            self.accuracy_fn.update_state(targets, logits, sample_weight)
+        return ops.sigmoid(logits)
+
+
+def test_a_layer_s_added_keras_loss_reports_and_trains_as_one_device(backend):
+    # TF divided it twice (the loss object, then Keras's sum of the added losses): the loss
+    # reported 1/8 of one device's over 8 replicas, and trained with 1/8 of its gradient.
+    # (JAX: a metric updated in a layer's call is another matter, left out here.)
+    if backend == "jax":
+        pytest.skip("on JAX one program computes the global loss; the layer's metric is not ours")
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+
+    def make():
+        inputs = keras.Input((6,), name="inputs")
+        targets = keras.Input((1,), name="targets")
+        logits = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))(
+            inputs
+        )
+        outputs = LogisticEndpoint(name="predictions")(logits, targets)
+        model = keras.Model(inputs=[inputs, targets], outputs=outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.5))
+        return model
+
+    with acc.scope():
+        ours = make()
+    one_device = make()
+    one_device.set_weights(ours.get_weights())
+    x, y = data(64)
+    inputs = {"inputs": x, "targets": (y > 0).astype("float32")[:, None]}
+    history = acc.fit(ours, inputs, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = one_device.fit(inputs, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(ours.get_weights(), one_device.get_weights())
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+
+
+class TokenAndPosition(keras.layers.Layer):
+    """keras-io's nlp/text_classification_with_transformer.py's TokenAndPositionEmbedding."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = keras.layers.Embedding(vocab_size, embed_dim)
+        self.pos_emb = keras.layers.Embedding(maxlen, embed_dim)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        positions = ops.arange(start=0, stop=maxlen, step=1)
+        return self.token_emb(x) + self.pos_emb(positions)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_an_embedding_s_sparse_gradient_reaches_the_optimizer_as_one_device_s(backend, optimizer):
+    # On TF the replicas' IndexedSlices were concatenated: the position embedding's entries
+    # came once per replica, and Adam (RMSprop), which squares them entry by entry, moved
+    # it otherwise than one device (which has each position once, summed over the batch).
+    acc = Accelerator(seed=0, devices=_devices(backend))
+
+    def make():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((5,), dtype="int32")
+        hidden = TokenAndPosition(5, 11, 4)(tokens)
+        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+        model = keras.Model(tokens, keras.layers.Dense(3)(hidden))
+        model.compile(
+            keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.01}}),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    with acc.scope():
+        ours = make()
+    one_device = make()
+    one_device.set_weights(ours.get_weights())
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 11, (32, 5)).astype("int32")
+    y = rng.integers(0, 3, 32)
+    history = acc.fit(ours, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = one_device.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(ours.get_weights(), one_device.get_weights(), atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
