@@ -143,18 +143,7 @@ def test_the_models_own_code_is_read_for_what_weights_rows():
     assert not hands_on_sample_weight(unpacked_only)
 
 
-def _scaled_on_tensorflow(acc, backend, request):
-    if backend == "tensorflow" and acc.num_replicas > 1:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="#59 item 2: TF scales a custom compute_loss and add_loss by the replicas",
-            )
-        )
-
-
-def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend, request):
-    _scaled_on_tensorflow(acc, backend, request)
+def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend):
     x, y = _data()
     with acc.scope():
         ours = _distiller()
@@ -185,8 +174,7 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend, re
     assert ours_logs == pytest.approx(plain_logs, rel=1e-5)
 
 
-def test_a_compute_loss_that_hands_the_weights_on_trains_every_row(acc, backend, request):
-    _scaled_on_tensorflow(acc, backend, request)
+def test_a_compute_loss_that_hands_the_weights_on_trains_every_row(acc, backend):
     x, y = _data()
     with acc.scope():
         ours = _distiller(WeightedDistiller)
@@ -198,8 +186,7 @@ def test_a_compute_loss_that_hands_the_weights_on_trains_every_row(acc, backend,
     assert_weights_close(weights_of(ours), weights_of(plain))
 
 
-def test_a_layers_add_loss_never_sees_padding_rows(acc, backend, request):
-    _scaled_on_tensorflow(acc, backend, request)
+def test_a_layers_add_loss_never_sees_padding_rows(acc, backend):
     x, _ = _data()
     targets = (x[:, :1] > 0).astype("float32")
     data = {"inputs": x, "targets": targets}
