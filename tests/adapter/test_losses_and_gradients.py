@@ -315,9 +315,10 @@ class LogisticEndpoint(keras.layers.Layer):
 def test_a_layer_s_added_keras_loss_reports_and_trains_as_one_device(backend):
     # TF divided it twice (the loss object, then Keras's sum of the added losses): the loss
     # reported 1/8 of one device's over 8 replicas, and trained with 1/8 of its gradient.
-    # (JAX: a metric updated in a layer's call is another matter, left out here.)
     if backend == "jax":
-        pytest.skip("on JAX one program computes the global loss; the layer's metric is not ours")
+        # Plain Keras 3.15 cannot run it there: the metric the layer updates in its call
+        # fails inside the traced step ("'NoneType' object is not callable").
+        pytest.skip("plain Keras on JAX fails on the metric updated in the layer's call")
     acc = Accelerator(seed=0, devices=FEW_REPLICAS)
 
     def make():
