@@ -390,3 +390,36 @@ def test_an_embedding_s_sparse_gradient_reaches_the_optimizer_as_one_device_s(ba
     expected = one_device.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(ours.get_weights(), one_device.get_weights(), atol=1e-6)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
+
+
+def test_sparse_gradients_summed_entry_by_entry_are_those_of_indices_fixed_by_the_graph(
+    backend,
+):
+    """Indices from constants and static shapes are the same in every replica; indices from
+    the batch, or from a model's output (deeper than Python's recursion limit), are not."""
+    if backend != "tensorflow":
+        pytest.skip("IndexedSlices are TensorFlow's")
+    import tensorflow as tf
+
+    from keras_accel.adapter.backends.tensorflow.gradients import _same_in_every_replica
+
+    table = tf.Variable(tf.ones((6, 2)))
+    found = {}
+
+    @tf.function
+    def gradients(ids, x):
+        deep = x
+        for _ in range(1500):
+            deep = tf.sin(deep)
+        with tf.GradientTape(persistent=True) as tape:
+            parts = [
+                tf.reduce_sum(tf.gather(table, tf.range(0, tf.shape(ids)[-1]))),
+                tf.reduce_sum(tf.gather(table, ids)),
+                tf.reduce_sum(tf.gather(table, tf.argmax(deep, axis=-1))),
+            ]
+        sliced = [tape.gradient(part, table) for part in parts]
+        found["shared"] = [_same_in_every_replica(g) for g in sliced]
+        return parts[0]
+
+    gradients(tf.constant([[1, 2, 3]]), tf.ones((2, 6)))
+    assert found["shared"] == [True, False, False]

@@ -85,26 +85,31 @@ def _same_in_every_replica(grad) -> bool:
     graph reaches no input, variable or stateful op, only constants and static shapes."""
     if not isinstance(grad, tf.IndexedSlices) or not hasattr(grad.indices, "graph"):
         return False
-    return _constant(grad.indices, {})
+    return _constant(grad.indices)
 
 
 # Ops that read only their input's shape: constant where that shape is static.
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "VariableShape"})
 
 
-def _constant(tensor, seen: dict) -> bool:
-    """Whether `tensor`'s value is fixed by its graph alone (memoized per op in `seen`)."""
-    op = tensor.op
-    if op.name in seen:
-        return seen[op.name]
-    seen[op.name] = False  # A cycle (a loop's back edge) is not constant.
-    if op.type == "Const":
-        result = True
-    elif op.type in _SHAPE_OPS:
-        result = all(i.shape.is_fully_defined() for i in op.inputs)
-    elif op.type == "Placeholder" or op.op_def.is_stateful or not op.inputs:
-        result = False
-    else:
-        result = all(_constant(i, seen) for i in op.inputs) and not op.control_inputs
-    seen[op.name] = result
-    return result
+def _constant(tensor) -> bool:
+    """Whether `tensor`'s value is fixed by its graph alone. Iterative: indices computed
+    from a model's output (an argmax) have the whole model above them, deeper than
+    Python's recursion limit."""
+    seen = set()
+    pending = [tensor.op]
+    while pending:
+        op = pending.pop()
+        if op.name in seen or op.type == "Const":
+            continue
+        seen.add(op.name)
+        if op.type in _SHAPE_OPS:
+            if not all(i.shape.is_fully_defined() for i in op.inputs):
+                return False
+            continue
+        if op.type == "Placeholder" or op.op_def.is_stateful or not op.inputs:
+            return False
+        if op.control_inputs:
+            return False
+        pending.extend(i.op for i in op.inputs)
+    return True
