@@ -21,9 +21,13 @@ than one entry of their sum (1.8e-4 on a position embedding after one step over 
 replicas, every other weight exact; SGD matched). Where the indices cannot depend on the
 replica's rows (computed from constants and static shapes only, read from the traced
 graph), the replicas' values are summed entry by entry instead, under the same indices:
-one device's gradient, in an all-reduce of the values alone (smaller than the
-concatenation's all-gather). Indices that depend on the rows, or that the graph does not
-show (a step run eagerly), keep TensorFlow's concatenation.
+one device's gradient, in an all-reduce of the values alone (no larger than the
+concatenation), and the optimizer updates each row once instead of once per replica; the
+walk up the indices' graph happens once per trace. An epoch of 8 steps over 8 CPU replicas
+with a 256 x 128 position table took the same time either way within this machine's noise
+(medians 2.42 and 2.15 s against 2.26 and 2.38 s, two interleaved runs). Indices that
+depend on the rows, or that the graph does not show (a step run eagerly, a shape known only
+when it runs), keep TensorFlow's concatenation.
 
 Only the optimizer instances change (two instance attributes each, undone with the call); no
 Keras or TensorFlow class does, so a plain `model.fit` running beside the call, in another

@@ -170,6 +170,7 @@ def _own_reporting(keras_compute_loss, compute_loss):
             _IN_OWN_LOSS.reset(token)
         if mean is None:
             return mean
+        mean = ops.convert_to_tensor(mean)  # A Python number, returned as Keras allows.
         share = ops.divide(mean, ops.cast(replicas(), mean.dtype))
         return share if _IN_KERAS_STEP.get() else global_value(share)
 
