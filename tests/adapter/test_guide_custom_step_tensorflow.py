@@ -222,7 +222,7 @@ def test_custom_test_step_that_cannot_take_padding_weights_gets_a_clear_error():
     with pytest.raises(
         ValueError,
         match=r"EvalModel overrides test_step and gets \(x, y\) batches, and `evaluate` pads "
-        r"its batches \(200 rows in batches of 32 over 8 replicas\).* unpack_x_y_sample_weight",
+        r"its batches \(200 rows in batches of 32 over 8 replicas\).*unpack_x_y_sample_weight",
     ):
         acc.evaluate(model, x, y, batch_size=BATCH, verbose=0)
 
