@@ -21,9 +21,9 @@ dropped with a note, and an evaluation that would pad is refused, naming the cod
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import textwrap
+import weakref
 
 from keras_accel.utils import keras_internals
 
@@ -90,10 +90,21 @@ def _layers(model):
     return keras_internals.flatten_layers(model, include_self=True)
 
 
-@functools.lru_cache(maxsize=256)
+# Per class, whether it adds losses: read once, and held weakly (a class the user drops,
+# made in a notebook cell or a search loop, is not kept alive by this).
+_ADDS_LOSSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _adds_losses(cls) -> bool:
     """Whether a class of the user's (in its MRO, before Keras's own classes) calls
     `add_loss` in any of its methods: read from the source, once per class."""
+    known = _ADDS_LOSSES.get(cls)
+    if known is None:
+        known = _ADDS_LOSSES[cls] = _reads_add_loss(cls)
+    return known
+
+
+def _reads_add_loss(cls) -> bool:
     for klass in cls.__mro__:
         if _is_keras_class(klass) or klass is object:
             continue
