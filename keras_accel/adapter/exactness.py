@@ -8,11 +8,17 @@ weigh 0. Keras's own losses and metrics do. Two kinds of user code cannot:
 - a metric that ignores `sample_weight` (a hand-written `Metric` whose `update_state`
   drops it, or a metric function returning one value per batch): it counts padding rows.
 
+A third kind is the model itself: a `call` that computes a row's output from the other rows
+of its batch (a sum over the batch axis), so that padding rows change the real rows'
+outputs; found by running the model on a few real rows with and without zero rows after
+them.
+
 Plain Keras is exact on the same data (it never pads), so the Accelerator finds these
 before the first step, by running them once on a few real rows of the first batch (a loss's
 rank; a metric with some rows weighted 0 against the same metric on the other rows alone),
-and then drops the last partial batch or refuses, naming them (see `Accelerator.fit`). Only
-user code is probed: a model compiled with Keras's losses and metrics costs nothing here.
+and then runs the last partial batch unpadded, drops it or refuses, naming them
+(`keras_accel.adapter.batches`). Losses and metrics are probed only where they are the
+user's; the forward pass of every model whose call pads (two eager calls on at most 16 rows).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_accel.data.batching import pad_rows
 from keras_accel.utils import keras_internals
 
 _PROBE_ROWS = 16
@@ -39,22 +46,25 @@ def inexact_under_padding(model, sample) -> list[str]:
     metrics = []
     for given in keras_internals.compiled_metric_arguments(model):
         metrics += [(path, m) for path, m in _leaves(given) if _user(m)]
-    if not losses and not metrics:
-        return []
     x, y, _, mask = sample
-    if y is None:
-        return []
     real = np.flatnonzero(np.asarray(mask) > 0) if mask is not None else None
     rows = real[:_PROBE_ROWS] if real is not None else slice(0, _PROBE_ROWS)
     take = lambda a: np.asarray(a)[rows]  # noqa: E731
-    x, y = keras.tree.map_structure(take, x), keras.tree.map_structure(take, y)
-    if len(keras.tree.flatten(y)[0]) < 2:
-        return []
+    x = keras.tree.map_structure(take, x)
     try:
         y_pred = model(x, training=False)
     except Exception:  # Inputs only a preprocessor understands (keras-hub's raw strings).
         return []
     found = []
+    if _mixes_rows(model, x, y_pred):
+        found.append(
+            f"{type(model).__name__}'s output for a row depends on the other rows of its batch"
+        )
+    if (not losses and not metrics) or y is None:
+        return found
+    y = keras.tree.map_structure(take, y)
+    if len(keras.tree.flatten(y)[0]) < 2:
+        return found
     for path, loss in losses:
         pair = _pair(path, y, y_pred)
         if pair is not None and _returns_scalar(loss, *pair):
@@ -64,6 +74,31 @@ def inexact_under_padding(model, sample) -> list[str]:
         if pair is not None and _ignores_weights(metric, *pair):
             found.append(f"metric {_name(metric)!r} counts rows whose sample_weight is 0")
     return found
+
+
+def _mixes_rows(model, x, y_pred) -> bool:
+    """Whether the model's output for a row changes when padding rows (zeros, as the
+    feeder pads) follow it in the batch, in inference: a `call` that reduces over the batch
+    (keras-io's movie recommender: `ops.tensordot(users, movies, 2)` sums every row's
+    products into each output). One more forward pass of a few rows; numeric inputs only."""
+    leaves = keras.tree.flatten(x)
+    if not leaves or any(np.asarray(a).dtype.kind not in "biuf" for a in leaves):
+        return False
+    rows = len(leaves[0])
+    padded = keras.tree.map_structure(lambda a: pad_rows(np.asarray(a), 2 * rows), x)
+    try:
+        with_padding = model(padded, training=False)
+    except Exception:  # A model that takes only its own batch shape.
+        return False
+    for alone, longer in zip(keras.tree.flatten(y_pred), keras.tree.flatten(with_padding)):
+        alone = ops.convert_to_numpy(alone)
+        longer = ops.convert_to_numpy(longer)
+        if alone.shape[:1] != (rows,) or longer.shape[:1] != (2 * rows,):
+            continue  # Not one output per row: nothing to compare row by row.
+        scale = max(1.0, float(np.abs(alone).max(initial=0.0)))
+        if not np.allclose(alone, longer[:rows], rtol=1e-4, atol=1e-5 * scale):
+            return True
+    return False
 
 
 def _leaves(structure):

@@ -132,3 +132,33 @@ def test_explicit_padding_with_an_inexact_loss_is_refused():
     with pytest.raises(ValueError, match="loss 'scalar_loss' returns one value per batch"):
         acc.fit(model, x, y, batch_size=BATCH, verbose=0)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0
+
+
+class SumsOverTheBatch(keras.Model):
+    """keras-io's movie recommender's published mistake: `ops.tensordot(a, b, 2)` sums every
+    row's products, so a row's output depends on the other rows of its batch."""
+
+    def __init__(self):
+        super().__init__()
+        # A bias, so that a row of zeros (padding) has an output, as an embedding of id 0 has.
+        self.dense = keras.layers.Dense(
+            3, kernel_initializer=keras.initializers.GlorotUniform(0), bias_initializer="ones"
+        )
+
+    def call(self, x):
+        h = self.dense(x)
+        return h + ops.tensordot(h, h, 2)
+
+
+@pytest.mark.torch
+def test_a_model_whose_rows_see_each_other_is_found_and_one_that_does_not_is_not():
+    from keras_accel.adapter.exactness import inexact_under_padding
+
+    x, y = _data()
+    sample = (x[:16], y[:16], None, np.r_[np.ones(10), np.zeros(6)].astype("float32"))
+    coupled = SumsOverTheBatch()
+    coupled.compile("sgd", "mse")
+    assert inexact_under_padding(coupled, sample) == [
+        "SumsOverTheBatch's output for a row depends on the other rows of its batch"
+    ]
+    assert inexact_under_padding(_model(), sample) == []

@@ -36,9 +36,11 @@ BUILD_SEED, FIT_SEED = 0, 1
 
 _ITEM1 = "#59 item 1: padding rows seen by code that does not weight rows"
 _BATCH_COUPLED = (
-    "not in #59's list: the model's call sums over the batch (the published "
-    "`ops.tensordot(user_vector, movie_vector, 2)`): padding rows, and on TensorFlow each "
-    "replica's own share of the batch, change every row's output"
+    "the model's call sums over the batch (the published `ops.tensordot(user_vector, "
+    "movie_vector, 2)`): each replica's program sees only its own share of every batch, so "
+    "every row's output differs from one device's (padding rows are found, "
+    "adapter/exactness.py, and the last partial batch dropped; JAX and one replica run it "
+    "unpadded)"
 )
 _ITEM4 = "#59 item 4: BatchNormalization's moments over replicas drift from one device's"
 _NOISE = (
@@ -76,11 +78,7 @@ XFAIL: dict[tuple[str, str], str] = {
         "StringLookup(num_oov_indices=0) refuses: 'all inputs should be in vocabulary, found "
         'OOV values ["" "" ""]\' (plain Keras never feeds such a row)'
     ),
-    ("structured_data/collaborative_filtering_movielens", "jax"): _BATCH_COUPLED,
     ("structured_data/collaborative_filtering_movielens", "tensorflow"): _BATCH_COUPLED,
-    # torch, one process: the Accelerator pads there too (13 rows in batches of 16 over
-    # 1 replica), so what padding rows break on the other backends breaks here as well.
-    ("structured_data/collaborative_filtering_movielens", "torch"): _BATCH_COUPLED,
     ("timeseries/timeseries_classification_from_scratch", "torch"): (
         "#59 item 4: BatchNormalization's moments (E[x^2] - E[x]^2 over the real rows) "
         "drift from Keras's"
