@@ -240,3 +240,43 @@ def timed_ways(monkeypatch, plain: float, compiled: float, compile_s: float = 0.
     choice_cache.forget()
     monkeypatch.setattr(choice_cache, "_DECISIONS", {})
     return units
+
+
+def timeseries_classifier(blocks=2, steps=16, classes=2):
+    """keras-io's timeseries classifier (timeseries/timeseries_classification_from_scratch.py)
+    in small: Conv1D -> BatchNormalization -> ReLU blocks, GlobalAveragePooling1D, a softmax
+    Dense, Adam, seeded. Its Conv1D layers pad nothing and have no bias, so that the moments
+    are what a comparison sees: with `padding="same"` the zero-padded edges' outputs, far
+    from the others on `series_far_from_zero`, would make the spread; and a bias before
+    BatchNormalization has a gradient that is rounding noise (the layer subtracts the
+    mean), which Adam scales up to steps of its learning rate, in any two summation orders
+    otherwise."""
+    inputs = keras.Input((steps, 1))
+    outputs = inputs
+    for i in range(blocks):
+        init = keras.initializers.GlorotUniform(seed=i)
+        if i == 0:  # Taps of one sign: the outputs keep the inputs' mean far from zero.
+            init = keras.initializers.RandomUniform(0.1, 0.5, seed=i)
+        outputs = keras.layers.Conv1D(8, 3, use_bias=False, kernel_initializer=init)(outputs)
+        outputs = keras.layers.BatchNormalization()(outputs)
+        outputs = keras.layers.ReLU()(outputs)
+    outputs = keras.layers.GlobalAveragePooling1D()(outputs)
+    init = keras.initializers.GlorotUniform(seed=blocks)
+    outputs = keras.layers.Dense(classes, activation="softmax", kernel_initializer=init)(outputs)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        "sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+    )
+    return model
+
+
+def series_far_from_zero(n=45, steps=16, mean=100.0, seed=0):
+    """`n` series of `steps` values around `mean` (spread 1), and a class for each: data whose
+    mean is large beside its spread, where a variance taken as E[x^2] - E[x]^2 loses most of
+    its digits to rounding (the mean of squared deviations keeps them)."""
+    rng = np.random.default_rng(seed)
+    x = (mean + rng.normal(size=(n, steps, 1))).astype("float32")
+    y = (x[:, :4, 0].mean(axis=1) > mean).astype("int32")
+    return x, y
