@@ -1,5 +1,6 @@
 """One process of a torch run (or the one-process reference) for what must not depend on the
-process count: custom metrics and per-row randomness. Usage: python _torch_exact.py OUT
+process count: custom metrics, per-row randomness and BatchNormalization's moments. Usage:
+python _torch_exact.py OUT
 
 45 rows in global batches of 8 (the last batch holds 5 rows: padded, 4 real rows in process
 0 and 1 in process 1), through `Accelerator.fit`, `evaluate` (also of a model whose own
@@ -12,11 +13,15 @@ process count: custom metrics and per-row randomness. Usage: python _torch_exact
   drawn from the seeded Python generator) and an unseeded `Dropout(0.2)` (Keras's torch
   backend draws it from torch's global generator, which `Accelerator(seed=0)` seeds alike
   in every process), training: the global batch's draw, not one draw repeated in every
-  process.
+  process;
+- keras-io's timeseries classifier (Conv1D -> BatchNormalization -> ReLU, Adam) on series
+  far from zero (`tests.helpers.series_far_from_zero`), where a variance taken as
+  E[x^2] - E[x]^2 depends on the order of its sums far beyond float rounding.
 
 Every process writes what it saw to OUT-<process>.npz.
 """
 
+import os
 import sys
 
 import keras
@@ -24,6 +29,9 @@ import numpy as np
 from keras import ops
 
 from keras_accel import Accelerator
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.helpers import series_far_from_zero, timeseries_classifier  # noqa: E402
 
 
 class RunningMax(keras.metrics.Metric):
@@ -132,4 +140,13 @@ with acc.scope():
     peaked.compile(keras.optimizers.SGD(0.1), LOSS)
 for name, value in acc.evaluate(peaked, x, y, batch_size=7, verbose=0, return_dict=True).items():
     out[f"custom_step/{name}"] = np.asarray(value)
+
+# BatchNormalization's moments on data far from zero: the same seeded weights in every run.
+with acc.scope():
+    series = timeseries_classifier()
+series_x, series_y = series_far_from_zero()
+history = acc.fit(series, series_x, series_y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+out["batchnorm/loss"] = np.asarray(history.history["loss"])
+for i, w in enumerate(series.get_weights()):
+    out[f"batchnorm/w{i}"] = w
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **{k: np.asarray(v) for k, v in out.items()})
