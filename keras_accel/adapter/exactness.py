@@ -95,8 +95,10 @@ def _mixes_rows(model, x, y_pred) -> bool:
         longer = ops.convert_to_numpy(longer)
         if alone.shape[:1] != (rows,) or longer.shape[:1] != (2 * rows,):
             continue  # Not one output per row: nothing to compare row by row.
-        scale = max(1.0, float(np.abs(alone).max(initial=0.0)))
-        if not np.allclose(alone, longer[:rows], rtol=1e-4, atol=1e-5 * scale):
+        finite = np.abs(alone[np.isfinite(alone)])
+        scale = max(1.0, float(finite.max(initial=0.0)))
+        # NaN where NaN: a model already broken (weights of NaN) is not one that mixes rows.
+        if not np.allclose(alone, longer[:rows], rtol=1e-4, atol=1e-5 * scale, equal_nan=True):
             return True
     return False
 
