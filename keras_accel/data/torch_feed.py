@@ -100,7 +100,9 @@ class TorchBatches(DatasetPasses):
         """The real rows of global batch `index`: the rows of Keras's batch."""
         return int(self.dataset.batches.plan.real_rows[index])
 
-    def _pass(self, draws):
+    def one_pass(self, draws):
+        """The batches of one pass as torch tensors, `draws(index)` called as each is read
+        (what Keras's sampler draws then: `_LoaderIterator`)."""
         import torch
 
         # Keras's device now (a `keras.device` scope around the call counts), read as
@@ -137,7 +139,7 @@ class _LoaderIterator:
     def __init__(self, batches: TorchBatches):
         self.batches = batches
         draw_as_an_iterator_is_made()  # Made: the base seed, before any batch is read.
-        self._batches = batches._pass(self._draw_for)
+        self._batches = batches.one_pass(self._draw_for)
 
     def __iter__(self):
         return self
