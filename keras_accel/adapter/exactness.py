@@ -91,8 +91,11 @@ def _mixes_rows(model, x, y_pred) -> bool:
     except Exception:  # A model that takes only its own batch shape.
         return False
     for alone, longer in zip(keras.tree.flatten(y_pred), keras.tree.flatten(with_padding)):
-        alone = ops.convert_to_numpy(alone)
-        longer = ops.convert_to_numpy(longer)
+        try:
+            alone = ops.convert_to_numpy(alone)
+            longer = ops.convert_to_numpy(longer)
+        except RuntimeError:  # Laid out over other processes' devices too (JAX): no probe.
+            return False
         if alone.shape[:1] != (rows,) or longer.shape[:1] != (2 * rows,):
             continue  # Not one output per row: nothing to compare row by row.
         finite = np.abs(alone[np.isfinite(alone)])
