@@ -177,6 +177,11 @@ def test_shuffled_arrays_differ_from_plain_keras_by_the_row_order_only(monkeypat
     monkeypatch.setattr(torch.utils.data.RandomSampler, "__iter__", recorded)
     plain = _plain(batch_size=BATCH, validation_data=(X_VAL, Y_VAL))
     monkeypatch.undo()
+    if not orders:
+        pytest.skip(
+            f"Keras {keras.__version__} shuffles arrays without torch's RandomSampler "
+            "(keras-nightly 3.16): what it draws instead is not mirrored (docs/accelerator.md)"
+        )
     assert len(orders) == 4  # The model build's read, then one per epoch.
     ours = _accelerated(batch_size=BATCH, validation_data=(X_VAL, Y_VAL))
     np.testing.assert_array_equal(ours["fit/rng"], plain["fit/rng"])
