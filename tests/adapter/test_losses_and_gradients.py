@@ -20,6 +20,7 @@ from tests.helpers import (
     data,
     library_state,
 )
+from tests.keras_io import vision as keras_io_vision
 
 
 class _Snapshot(keras.callbacks.Callback):
@@ -225,37 +226,14 @@ def _dense(seed, units):
     )
 
 
-class Distiller(keras.Model):
+class Distiller(keras_io_vision.Distiller):
     """keras-io's vision/knowledge_distillation.py: a class's own compute_loss of two Keras
     loss objects it holds (divided by the replica count on TF), plus, here, a mean of its
     own (not divided) as Keras's compute_loss docs write one."""
 
-    def __init__(self, student, teacher):
-        super().__init__()
-        self.teacher = teacher
-        self.student = student
-
-    def compile(
-        self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha, temperature
-    ):
-        super().compile(optimizer=optimizer, metrics=metrics)
-        self.student_loss_fn = student_loss_fn
-        self.distillation_loss_fn = distillation_loss_fn
-        self.alpha = alpha
-        self.temperature = temperature
-
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
-        teacher_pred = self.teacher(x, training=False)
-        student_loss = self.student_loss_fn(y, y_pred)
-        distillation_loss = self.distillation_loss_fn(
-            ops.softmax(teacher_pred / self.temperature, axis=1),
-            ops.softmax(y_pred / self.temperature, axis=1),
-        ) * (self.temperature**2)
         own = ops.mean(ops.square(y_pred)) * 0.01
-        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss + own
-
-    def call(self, x):
-        return self.student(x)
+        return super().compute_loss(x, y, y_pred, allow_empty=allow_empty) + own
 
 
 @pytest.mark.torch

@@ -14,37 +14,11 @@ from keras_accel import Accelerator
 from keras_accel.adapter.unweighted import hands_on_sample_weight, unweighted_code
 from tests.conftest import NUM_DEVICES
 from tests.helpers import assert_weights_close, unpadded_remainder, weights_of
+from tests.keras_io.vision import Distiller  # keras-io's, as published
 
 pytestmark = pytest.mark.torch
 
 ROWS, BATCH = 21, 8  # The last batch holds 5 rows.
-
-
-class Distiller(keras.Model):
-    """keras-io's vision/knowledge_distillation.py, shrunk: `compute_loss` mixes the
-    student's loss with a distillation loss and never reads `sample_weight`."""
-
-    def __init__(self, student, teacher):
-        super().__init__()
-        self.student, self.teacher = student, teacher
-
-    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha, t):
-        super().compile(optimizer=optimizer, metrics=metrics)
-        self.student_loss_fn = student_loss_fn
-        self.distillation_loss_fn = distillation_loss_fn
-        self.alpha, self.temperature = alpha, t
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
-        teacher_pred = self.teacher(x, training=False)
-        student_loss = self.student_loss_fn(y, y_pred)
-        distillation_loss = self.distillation_loss_fn(
-            ops.softmax(teacher_pred / self.temperature, axis=1),
-            ops.softmax(y_pred / self.temperature, axis=1),
-        ) * (self.temperature**2)
-        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss
-
-    def call(self, x):
-        return self.student(x)
 
 
 class WeightedDistiller(Distiller):
@@ -67,7 +41,7 @@ def _distiller(cls=Distiller):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         keras.losses.KLDivergence(),
         alpha=0.1,
-        t=3.0,
+        temperature=3.0,
     )
     return model
 
