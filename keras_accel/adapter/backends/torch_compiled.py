@@ -374,7 +374,9 @@ def _forward(model, values, x, y, sample_weight, training: bool):
     mapping += list(zip(model.non_trainable_variables, non_trainable))
     mapping += list(zip(model.metrics_variables, metrics))
     kwargs = {"training": training} if keras_internals.call_has_training_arg(model) else {}
-    with keras.StatelessScope(state_mapping=mapping) as scope:
+    # The losses the layers add (`add_loss`) are collected in the scope, where `model.losses`
+    # reads them for the loss; without `collect_losses` a stateless call drops them.
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
         y_pred = model(x, **kwargs)
         loss = keras_internals.compute_loss_of(model)(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
