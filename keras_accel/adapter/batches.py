@@ -4,7 +4,8 @@ reach the step weighted 0 where every loss and metric honours that
 (`keras_accel.adapter.exactness`); where it cannot (no targets, a step or `compute_loss` of
 the user's that is not given the weights, `add_loss`, a loss or metric that ignores them:
 `keras_accel.adapter.unweighted`) the last partial batch reaches the model's code unpadded
-where the runtime can run it so (`Runtime.whole_remainder`: one replica, JAX), and
+where the runtime can run it so (`Runtime.whole_remainder`: one replica, JAX, torch's
+processes, a MirroredStrategy's replicas), and
 elsewhere training drops it with a note saying why and how to keep it, and an evaluation
 that would count padding is refused, naming what would. Also each kind's `StepContract`:
 what its step is given."""
@@ -134,6 +135,7 @@ class Batches:
             pass_weights=batches.has_targets and (batches.weighted or plan.pads),
             user_weighted=batches.weighted,
             padded=plan.pads,
+            replicated=plan.remainder == "replicate",
             description=f"{plan.describe()}{padding}",
         )
 
@@ -228,8 +230,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         "a metric, compute_loss, compute_metrics or test_step handing sample_weight on: "
         "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`), or use a "
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
-        "that nothing is padded (on one device, and on JAX, the last partial batch runs "
-        "unpadded)."
+        "that nothing is padded (numeric arrays' last partial batch runs unpadded on one "
+        "device, on JAX, over torch's processes and over MirroredStrategy's replicas)."
     )
 
 

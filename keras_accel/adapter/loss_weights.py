@@ -28,6 +28,7 @@ from keras import ops
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import (
     LOSS_RANKED,
+    REPLICATED,
     ROW_COUNT,
     ROW_MASK,
     after_build,
@@ -80,7 +81,8 @@ def _padded_values(loss, summed_loss_factor: int):
                     mask = None if mask is None else ops.expand_dims(mask, -1)
                 if mask is not None:
                     keras_internals.set_keras_mask(values, mask)
-        if summed and summed_loss_factor != 1:
+        if summed and summed_loss_factor != 1 and not REPLICATED.get():
+            # (A replicated step's gradients are not averaged: `steps.REPLICATED`.)
             values = ops.multiply(values, ops.cast(summed_loss_factor, values.dtype))
         if summed and padded:
             # The weights' factor `static / real rows` taken off (as a factor on the

@@ -93,6 +93,13 @@ ROW_COUNT = StepValue("row_count")
 # output's prediction less its last axis (`_loss_ranks`): what `keras_accel.adapter.
 # loss_weights` shapes a loss's values to.
 LOSS_RANKED = StepValue("loss_ranked", default=False)
+# True in the step of a short last batch that every replica runs whole, on all of its real
+# rows (`BatchPlan.replicated`, torch's processes): each replica computes what one device
+# computes, so nothing in it is reduced across replicas (the gradients' average,
+# BatchNormalization's summed moments, users' metrics' gathered rows, the global batch's
+# random draws), and only the first replica's metric updates count
+# (`keras_accel.adapter.backends.torch`).
+REPLICATED = StepValue("replicated", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +110,8 @@ class StepContract:
         pass_weights: the step gets `(x, y, sample_weight)`, else `(x, y)`.
         user_weighted: the weights are the user's (else they only weight padding out).
         padded: some batch carries padding rows.
+        replicated: a short last batch, marked, reaches every replica whole
+            (`BatchPlan.replicated`): its step runs as one device's (`REPLICATED`).
         description: the batching, for error messages ("230 rows in batches of 64 ...");
             not compared: two calls that differ only in it run the same compiled step.
     """
@@ -110,6 +119,7 @@ class StepContract:
     pass_weights: bool
     user_weighted: bool = False
     padded: bool = False
+    replicated: bool = False
     description: str = dataclasses.field(default="", compare=False)
 
 
@@ -167,14 +177,15 @@ def _wrap(model, kind, original, contracts, record, row_count):
         *state, data = args
         x, y, sample_weight, row_mask = unpack(data)
         cut = cut_rows(data)
+        contract = contracts.get(kind) or StepContract(pass_weights=False)
         if cut is not None:
             # A short last batch padded to the others' shape, marked with its real rows
             # (`BatchPlan.cut_rows`): the model's code sees those alone, as in plain Keras.
+            # Replicated, every replica holds them all already (`REPLICATED`).
             x, y, sample_weight = keras.tree.map_structure(
                 lambda a: None if a is None else a[:cut], (x, y, sample_weight)
             )
             row_mask = None
-        contract = contracts.get(kind) or StepContract(pass_weights=False)
         padded = contract.padded and row_mask is not None
         counted = None
         ranked = False
@@ -197,6 +208,7 @@ def _wrap(model, kind, original, contracts, record, row_count):
         mask_token = ROW_MASK.set(row_mask if padded else None)
         count_token = ROW_COUNT.set(counted)
         ranked_token = LOSS_RANKED.set(ranked)
+        replicated_token = REPLICATED.set(bool(cut) and contract.replicated)
         try:
             result = original(*state, user)
         except (ValueError, TypeError) as error:
@@ -206,6 +218,7 @@ def _wrap(model, kind, original, contracts, record, row_count):
                 raise ValueError(_padding_message(model, kind, contract, error)) from error
             raise
         finally:
+            REPLICATED.reset(replicated_token)
             LOSS_RANKED.reset(ranked_token)
             ROW_COUNT.reset(count_token)
             ROW_MASK.reset(mask_token)
@@ -520,7 +533,8 @@ def install_global_results(
     patches: Patches, model, global_result: Callable, when: Callable | None = None
 ) -> None:
     """Where each replica runs its own program (TF), make every metric's `result()` inside a
-    padded step the result over all replicas' rows: `global_result(metric, original)`.
+    padded (or replicated) step the result over all replicas' rows: `global_result(metric,
+    original)`.
 
     Keras reports a step's logs as the mean of the replicas' own results, which is the
     global result only when every replica holds as many real rows as the others; a padded
@@ -592,7 +606,10 @@ def _global_result(metric, global_result: Callable, when: Callable | None = None
     original = metric.result
 
     def result():
-        if _REDUCING.get() or ((ROW_MASK.get() is None) if when is None else not when()):
+        # Global inside a padded step, and inside a replicated one, whose replicas' own
+        # results differ (the first holds the batch's rows: `REPLICATED`).
+        padded = ROW_MASK.get() is not None or REPLICATED.get()
+        if _REDUCING.get() or (not padded if when is None else not when()):
             return original()
         token = _REDUCING.set(True)
         try:

@@ -53,9 +53,14 @@ REMAINDER_POLICIES = ("pad", "drop")
 # code cannot weight padding rows out (`keras_accel.adapter.batches`), by what the runtime
 # runs (`Runtime.whole_remainder`): "whole", a batch of its real rows (one replica); "cut",
 # padded as any other, and marked with its real row count, so that the step cuts the padding
-# off before the model's code sees it (JAX, whose program holds the global batch).
-PLAN_REMAINDERS = (*REMAINDER_POLICIES, "whole", "cut")
-UNPADDED = ("whole", "cut")
+# off before the model's code sees it (JAX, whose program holds the global batch);
+# "replicate", its real rows whole in every replica, marked, each replica running the step on
+# all of them as one device would, without the collectives that would count them once per
+# replica (torch's processes, whose programs each hold a share of the others' batches).
+PLAN_REMAINDERS = (*REMAINDER_POLICIES, "whole", "cut", "replicate")
+UNPADDED = ("whole", "cut", "replicate")
+# Remainders whose short last batch is a batch of its real rows (`BatchPlan.batch_rows`).
+REAL_ROWS = ("whole", "replicate")
 
 
 def static_batch_size(batch_size: int, num_replicas: int) -> int:
@@ -186,7 +191,9 @@ class BatchPlan:
         static_rows: rows per batch as the compiled step sees them (a replica multiple).
         remainder: "pad" keeps the last partial batch (padded); "drop" skips it; "whole"
             keeps it unpadded, as a batch of its real rows (`batch_rows`); "cut" pads it,
-            marked to be cut to its real rows in the step (`cut_rows`).
+            marked to be cut to its real rows in the step (`cut_rows`); "replicate" keeps it
+            as a batch of its real rows, marked, which every replica reads whole
+            (`replicated`).
         training: selects the weight rule (see the module docstring).
     """
 
@@ -226,21 +233,26 @@ class BatchPlan:
 
     def batch_rows(self, index: int) -> int:
         """Rows of batch `index` as its step sees them: `static_rows`, but for a short last
-        batch that runs whole (`remainder="whole"`): its real rows."""
-        if self.remainder == "whole":
+        batch that runs whole (`remainder="whole"` or `"replicate"`): its real rows."""
+        if self.remainder in REAL_ROWS:
             real = self.rows_in_batch(index)
             if real < self.batch_size:
                 return real
         return self.static_rows
 
     def cut_rows(self, index: int) -> int | None:
-        """Under `remainder="cut"`, the real rows batch `index`'s step cuts it to (its
-        marker, `pack`): a short last batch's rows, 0 for a full batch (nothing to cut);
-        None under any other remainder (no marker)."""
-        if self.remainder != "cut":
+        """Under `remainder="cut"` (or `"replicate"`), the real rows batch `index`'s step
+        cuts it to (its marker, `pack`): a short last batch's rows, 0 for a full batch
+        (nothing to cut); None under any other remainder (no marker)."""
+        if self.remainder not in ("cut", "replicate"):
             return None
         real = self.rows_in_batch(index)
         return real if real < self.batch_size else 0
+
+    def replicated(self, index: int) -> bool:
+        """Whether every replica reads batch `index` whole: a short last batch under
+        `remainder="replicate"`."""
+        return self.remainder == "replicate" and self.rows_in_batch(index) < self.batch_size
 
     @property
     def remainder_rows(self) -> int | None:

@@ -43,7 +43,13 @@ class StaticBatchDataset(keras.utils.PyDataset):
 
     def __getitem__(self, index: int):
         # The real rows the step cuts a marked batch to (`BatchPlan.cut_rows`), or None.
-        cut = getattr(self.batches.plan, "cut_rows", lambda index: None)(index)
+        plan = self.batches.plan
+        cut = getattr(plan, "cut_rows", lambda index: None)(index)
+        if self.rows is not None and getattr(plan, "replicated", lambda index: False)(index):
+            # Every process reads this batch whole: its step runs on all of its real rows in
+            # every process, as one device runs it (`remainder="replicate"`).
+            batch = self.batches.batch(index, scale=not self.carry_mask)
+            return element(batch, self.carry_mask, None, cut=cut)
         if self.rows is not None and getattr(self.batches, "reads_rows", False):
             # Arrays: only this process's rows are read (`ArrayBatches.batch`), not the
             # other processes' too.

@@ -58,28 +58,38 @@ def is_keras_metric(metric) -> bool:
     return type(metric).__module__.startswith("keras.src.")
 
 
-def user_metrics(metrics):
+def metric_leaves(metrics):
     """The metrics in `metrics` (inside Keras's per-output containers too) that update
-    state themselves and are not Keras's own."""
+    state themselves."""
     for metric in metrics or []:
         if metric is None:
             continue
         inner = getattr(metric, "metrics", None)
         if is_keras_metric(metric) and isinstance(inner, (list, tuple)) and inner is not metrics:
-            yield from user_metrics(inner)
-        elif not is_keras_metric(metric) and callable(getattr(metric, "update_state", None)):
+            yield from metric_leaves(inner)
+        elif callable(getattr(metric, "update_state", None)):
             yield metric
+
+
+def user_metrics(metrics):
+    """The metrics in `metrics` (inside Keras's per-output containers too) that update
+    state themselves and are not Keras's own."""
+    return (metric for metric in metric_leaves(metrics) if not is_keras_metric(metric))
 
 
 class UserMetricPatches:
     """Patches each of users' metrics (`user_metrics`) once, however often `install` meets
-    it: a backend's subclass says how (`patch`: its update on the global batch's rows)."""
+    it: a backend's subclass says how (`patch`: its update on the global batch's rows).
+    A subclass may `select` other metrics."""
 
     def __init__(self):
         self._done: set[int] = set()
 
+    def select(self, metrics):
+        return user_metrics(metrics)
+
     def install(self, patches, metrics) -> None:
-        for metric in user_metrics(metrics):
+        for metric in self.select(metrics):
             if id(metric) in self._done:
                 continue
             self._done.add(id(metric))
@@ -94,3 +104,52 @@ class UserMetricPatches:
 
     def patch(self, patches, metric) -> None:
         raise NotImplementedError
+
+
+class FirstReplicaCounts(UserMetricPatches):
+    """In a replicated step (`steps.REPLICATED`: the short last batch, which every process or
+    replica runs whole), the updates of Keras's own metrics that count rows count on the
+    first replica only (`is_first()`), as if the others had held none of the batch: Keras's
+    metrics are summed over the replicas when read.
+
+    Which updates count rows: those given per-row values (targets and predictions, a loss
+    per row) or a weight (Keras's loss tracker: the batch's loss weighted by its rows); in
+    every other step each replica adds its own rows, and these sum to the global batch's.
+    An update of one value without a weight (a custom step's
+    `loss_tracker.update_state(loss)`) counts one entry per replica in every other step,
+    each replica's own loss, so that a mean over them is the mean over the batches; in a
+    replicated step it counts on every replica too, with the batch's loss, for the same
+    weight. Users' metrics are updated on the global batch's rows by the backends
+    (`torch_rows.GatheredMetrics`, `tensorflow.reduction.GatheredMetrics`), which hold
+    their state alike and need nothing here."""
+
+    def __init__(self, is_first: Callable[[], bool]):
+        super().__init__()
+        self.is_first = is_first
+
+    def select(self, metrics):
+        return (metric for metric in metric_leaves(metrics) if is_keras_metric(metric))
+
+    def patch(self, patches, metric) -> None:
+        patches.set(metric, "update_state", self._counted(metric.update_state))
+
+    def _counted(self, update_state):
+        from keras_accel.adapter.steps import REPLICATED
+
+        def update(*args, **kwargs):
+            if REPLICATED.get() and _counts_rows(args, kwargs) and not self.is_first():
+                return None
+            return update_state(*args, **kwargs)
+
+        return update
+
+
+def _counts_rows(args, kwargs) -> bool:
+    # (A wrapper may hand `sample_weight=None` on: no weight.)
+    if kwargs.get("sample_weight") is not None:
+        return True
+    given = [*args, *(v for k, v in kwargs.items() if k != "sample_weight")]
+    if len(given) != 1:
+        return True
+    shape = getattr(given[0], "shape", ())
+    return shape is not None and len(shape) > 0

@@ -44,6 +44,7 @@ import numpy as np
 
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends import torch_compiled, torch_metrics, torch_rows
+from keras_accel.adapter.backends.global_rows import FirstReplicaCounts
 from keras_accel.adapter.backends.torch_collectives import (
     GradientBuckets,
     all_reduce_sum,
@@ -284,6 +285,15 @@ class Runtime(runtime.Runtime):
         # The ids of the variables of the users' metrics, global already (`install`).
         self._local: set[int] | frozenset = frozenset()
 
+    @property
+    def whole_remainder(self) -> str | None:
+        """One process: "whole". Over processes, "replicate": every process reads the short
+        last batch whole and runs its step on all of its real rows, as one process does,
+        without the collectives that would count them once per process (`steps.
+        REPLICATED`); the first process's metric updates count (`global_rows.
+        FirstReplicaCounts`)."""
+        return "whole" if self.num_replicas == 1 else "replicate"
+
     def device_scope(self):
         return contextlib.nullcontext()  # Keras places tensors on this process's device.
 
@@ -324,6 +334,9 @@ class Runtime(runtime.Runtime):
         # before the padding masks, which then wrap the gather (its weights are the mask).
         gathered = torch_rows.GatheredMetrics(when=in_step)
         gathered.install_on_model(patches, model)
+        # Keras's metrics in a replicated step: the first process's rows count once.
+        rank = self.rank
+        FirstReplicaCounts(lambda: rank == 0).install_on_model(patches, model)
         self._local = gathered.local
         result = functools.partial(torch_metrics.global_result, local=gathered.local)
         install_global_results(patches, model, result, when=in_step)

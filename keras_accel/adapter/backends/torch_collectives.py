@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_accel.adapter.steps import REPLICATED
 from keras_accel.utils import library_internals
 
 
@@ -39,8 +40,12 @@ def gather_rows(outputs):
 
 def all_reduce_sum(tensors):
     """Sums a list of tensors across processes, differentiably (the gradient of a sum is
-    the sum of the gradients: what BatchNormalization's synchronized moments need)."""
+    the sum of the gradients: what BatchNormalization's synchronized moments need). In a
+    replicated step every process holds the global batch already: as they are."""
     import torch
+
+    if REPLICATED.get():
+        return list(tensors)
 
     # One collective for the list: flattened, summed, cut again.
     shapes = [t.shape for t in tensors]
@@ -86,10 +91,15 @@ def averaged_apply(apply, buckets=None):
     """The optimizer's `apply` on gradients averaged over the processes: those the
     backward pass already sent (`GradientBuckets`), the others in one all-reduce per dtype
     over the flattened gradients (gradients that are None stay None: every process has the
-    same ones)."""
+    same ones). In a replicated step (`steps.REPLICATED`) every process's gradients are
+    the global batch's already: applied as they are."""
 
     def averaged(grads, trainable_variables=None):
         grads = list(grads)
+        if REPLICATED.get():
+            if buckets is not None:
+                buckets.skip()
+            return apply(grads, trainable_variables)
         if buckets is not None:
             grads = buckets.averaged(grads, trainable_variables)
         return apply(
@@ -147,7 +157,7 @@ class GradientBuckets:
 
     def _ready(self, param) -> None:
         index = self._bucket_of.get(id(param))
-        if index is None or self._sent[index] is not None:
+        if index is None or self._sent[index] is not None or REPLICATED.get():
             return
         self._waiting[index] -= 1
         if self._waiting[index] == 0:
@@ -191,6 +201,10 @@ class GradientBuckets:
         self._reset()
         self.done = done
         return grads
+
+    def skip(self) -> None:
+        """This step's gradients are applied as they are: nothing was sent."""
+        self._reset()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -99,6 +99,10 @@ class CompiledStep:
         model = self.model_ref()
         if model is None or self.eager_steps == 0:
             return self._eager(model, data)  # This call's first step builds what Keras builds.
+        if step_values.REPLICATED.get():
+            # The short last batch every process runs whole, once an epoch, without the
+            # program's collectives: eagerly, as Keras's torch trainer runs it.
+            return self._eager(model, data)
         choice = self._choice(model, data)
         path, _ = choice.unit(1)
         timed = choice.timed()

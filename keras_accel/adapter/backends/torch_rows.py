@@ -61,7 +61,10 @@ class GatheredMetrics(UserMetricPatches):
 
     def _gathered(self, metric, original):
         def update_state(*args, **kwargs):
-            if not self.when():
+            from keras_accel.adapter.steps import REPLICATED
+
+            # A replicated step's rows are the global batch's in every process already.
+            if not self.when() or REPLICATED.get():
                 return original(*args, **kwargs)
             args, kwargs = self._gather.rows(metric, (args, kwargs))
             return original(*args, **kwargs)
@@ -172,7 +175,10 @@ class GlobalRowDraws:
         def call(inputs, training=False):
             import torch
 
-            if not training or not isinstance(inputs, torch.Tensor):
+            from keras_accel.adapter.steps import REPLICATED
+
+            if not training or not isinstance(inputs, torch.Tensor) or REPLICATED.get():
+                # A replicated step's rows are the global batch's: drawn as one process.
                 return original(inputs, training=training)
             rows = inputs.shape[0]
             real = self.real_rows(world * rows)
