@@ -75,10 +75,10 @@ def collect_until(done, timeout_s=30.0):
 def unpadded_remainder(acc) -> bool:
     """Whether `acc` runs a last partial batch unpadded where padding would reach code that
     weights no rows (docs/accelerator.md, "Padded, unpadded or dropped"): on one replica, on
-    JAX, whose one program cuts it to its real rows, and over torch's processes, each of
-    which runs it whole (numeric arrays; elsewhere it is dropped in training, or refused in
-    evaluation)."""
-    return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch")
+    JAX, whose one program cuts it to its real rows, and over torch's processes and
+    TensorFlow's replicas, each of which runs it whole (numeric arrays; elsewhere it is
+    dropped in training, or refused in evaluation)."""
+    return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch", "tensorflow")
 
 
 def weights_of(model):

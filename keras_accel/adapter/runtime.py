@@ -53,10 +53,10 @@ class Runtime:
         """How a last partial batch reaches the model's code unpadded, where padding rows
         cannot be weighted out of it (`keras_accel.data.batching.PLAN_REMAINDERS`), or None
         where it cannot: "whole", a batch of its real rows through a step compiled for its
-        shape, on one replica, where no batch needs to split. Where replicas or processes
-        each run their own program on a share of each batch (TensorFlow's, torch's) it
-        cannot split evenly, and the Accelerator drops or refuses it instead
-        (`keras_accel.adapter.batches`)."""
+        shape, on one replica, where no batch needs to split. Where replicas each run their
+        own program on a share of each batch it need not split evenly: torch's processes
+        and a MirroredStrategy's replicas run it whole in each ("replicate"); where none
+        of these can, the Accelerator drops or refuses it (`keras_accel.adapter.batches`)."""
         return "whole" if self.num_replicas == 1 else None
 
     def device_scope(self):
@@ -104,6 +104,12 @@ class Runtime:
 
     def make_function(self, model, kind: str):
         """The step function for `kind` where Keras's cannot run here; None: Keras's."""
+        return None
+
+    def replicated_function(self, model, kind: str):
+        """`kind`'s step function for a call whose short last batch every replica runs whole
+        (`whole_remainder` "replicate") where Keras's or `make_function`'s cannot feed it;
+        None: those."""
         return None
 
     def reads_steps_per_execution(self, model, kind: str) -> bool:

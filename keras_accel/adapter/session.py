@@ -182,6 +182,10 @@ class Session:
         return self
 
     def _make_function(self, kind: str):
+        if self._contract(kind).replicated:
+            function = self.runtime.replicated_function(self.model, kind)
+            if function is not None:
+                return function
         return self.runtime.make_function(self.model, kind)
 
     def _contract(self, kind: str) -> StepContract:

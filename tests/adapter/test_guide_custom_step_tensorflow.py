@@ -179,11 +179,11 @@ def test_custom_train_step_matches_one_device_with_8_replicas(cls):
         compile_args.update(loss="mse", metrics=["mae"])
     model, twin = _pair(acc, cls, **compile_args)
     x, y = _data()
-    # The step unpacks (x, y): the last partial batch is dropped (with a note), not padded.
-    with pytest.warns(UserWarning, match=r"overrides train_step .* \(8 of 200 rows"):
+    # The step unpacks (x, y): the last partial batch runs unpadded, whole in every replica
+    # (with a note), not padded.
+    with pytest.warns(UserWarning, match=r"overrides train_step .* \(8 of 200 rows\) runs unp"):
         got = acc.fit(model, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    kept = ROWS // BATCH * BATCH
-    want = twin.fit(x[:kept], y[:kept], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    want = twin.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(model.get_weights(), twin.get_weights())
     # The loss the step reports is the global batch's, not divided by the replica count.
     for name in ("loss", "mae"):
@@ -214,17 +214,32 @@ def test_custom_test_step_evaluates_exactly_when_nothing_is_padded():
         _close(got[name], want[name])
 
 
-def test_custom_test_step_that_cannot_take_padding_weights_gets_a_clear_error():
-    # Refused before it runs: the step unpacks (x, y), and would be given padding rows.
+def test_custom_test_step_that_cannot_take_padding_weights_evaluates_every_row():
+    # The step unpacks (x, y): the last partial batch runs whole in every replica.
+    acc = Accelerator()
+    model, twin = _pair(acc, EvalModel, loss="mse", metrics=["mae"])
+    x, y = _data()
+    with pytest.warns(UserWarning, match=r"EvalModel overrides test_step .* runs unpadded"):
+        got = acc.evaluate(model, x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    want = twin.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert set(got) == set(want)
+    for name in want:
+        _close(got[name], want[name])
+
+
+def test_custom_test_step_that_cannot_take_padding_weights_on_a_stream_gets_a_clear_error():
+    # Refused before it runs: a data set's short batch is known only when it comes, so it
+    # would be given padding rows, which the step unpacks as (x, y).
     acc = Accelerator()
     model, _ = _pair(acc, EvalModel, loss="mse", metrics=["mae"])
     x, y = _data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     with pytest.raises(
         ValueError,
         match=r"EvalModel overrides test_step and gets \(x, y\) batches, and `evaluate` pads "
-        r"its batches \(200 rows in batches of 32 over 8 replicas\).*unpack_x_y_sample_weight",
+        r"its batches .* over 8 replicas\).*unpack_x_y_sample_weight",
     ):
-        acc.evaluate(model, x, y, batch_size=BATCH, verbose=0)
+        acc.evaluate(model, dataset, verbose=0)
 
 
 def test_gan_trains_on_images_without_targets():

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_accel.adapter.backends.global_rows import UserMetricPatches
-from keras_accel.adapter.steps import ROW_MASK
+from keras_accel.adapter.steps import REPLICATED, ROW_MASK
 from keras_accel.utils import keras_internals, library_internals
 
 
@@ -109,9 +109,10 @@ def _gathered_update(metric, original):
                     "predictions, weights with the batch on axis 0), or track a batch value "
                     "with keras.metrics.Mean, whose sums the replicas add up exactly."
                 )
-        args, kwargs = tf.nest.map_structure(
-            lambda t: context.all_gather(t, axis=0) if tf.is_tensor(t) else t, (args, kwargs)
-        )
+        if not REPLICATED.get():  # A replicated step's rows are the global batch's already.
+            args, kwargs = tf.nest.map_structure(
+                lambda t: context.all_gather(t, axis=0) if tf.is_tensor(t) else t, (args, kwargs)
+            )
         variables = list(metric.variables)
         state = _read(metric)
         with keras.StatelessScope(state_mapping=list(zip(variables, state))) as scope:
@@ -161,9 +162,10 @@ def _global_read(metric, original):
 
 def all_reduce_sum(tensors):
     """`tensors` summed over the replicas, differentiably (synchronized BatchNormalization's
-    moments: the gradient of a sum is the sum of the gradients)."""
+    moments: the gradient of a sum is the sum of the gradients). In a replicated step every
+    replica holds the global batch already: as they are."""
     context = _replicated()
-    if context is None:
+    if context is None or REPLICATED.get():
         return tensors
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_accel.adapter.backends.global_rows import install_row_draws
+from keras_accel.adapter.steps import REPLICATED
 
 
 def install_global_row_draws(patches, model) -> int:
@@ -27,6 +28,7 @@ def _global(original):
         context = tf.distribute.get_replica_context()
         if (
             not training
+            or REPLICATED.get()  # The global batch's rows already: drawn as one device.
             or context is None
             or context.num_replicas_in_sync == 1
             or not tf.is_tensor(inputs)

@@ -7,7 +7,8 @@ import keras
 import tensorflow as tf
 
 from keras_accel.adapter import runtime
-from keras_accel.adapter.backends.tensorflow import checks, cluster, xla
+from keras_accel.adapter.backends.global_rows import FirstReplicaCounts
+from keras_accel.adapter.backends.tensorflow import checks, cluster, replicated, xla
 from keras_accel.adapter.backends.tensorflow.fused import fits_group_bytes, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
@@ -38,6 +39,23 @@ class Runtime(runtime.Runtime):
         super().__init__(plan, native)
         # BatchNormalization sums its moments across replicas (see adapter.batchnorm).
         self.all_reduce_sum = all_reduce_sum if self.num_replicas > 1 else None
+
+    @property
+    def whole_remainder(self) -> str | None:
+        """One replica: "whole". Several replicas of one worker: "replicate", every replica
+        running the short batch whole (`replicated`). A TPU's or several workers' strategy:
+        None (its program's shapes, its workers' own pipelines: not built)."""
+        if self.num_replicas == 1:
+            return "whole"
+        if self.plan.strategy in ("tpu", "multi_worker"):
+            return None
+        return "replicate"
+
+    def replicated_function(self, model, kind: str):
+        if self.native is None or kind == "predict":
+            return None
+        regular = fused_function(model, kind)
+        return replicated.replicated_function(model, kind, regular)
 
     def device_scope(self):
         return tf.device(tf_device_name(self.plan.devices[0]))
@@ -122,6 +140,8 @@ class Runtime(runtime.Runtime):
             install_global_results(patches, model, global_result)
             # Users' metrics (any state, a running maximum) on the global batch.
             install_gathered_metrics(patches, model)
+            # Keras's metrics in a replicated step: the first replica's rows count once.
+            FirstReplicaCounts(replicated.first_replica).install_on_model(patches, model)
 
     def row_count(self, row_mask):
         # Each replica weights its share of the epoch's loss average by the global batch's
@@ -131,6 +151,18 @@ class Runtime(runtime.Runtime):
 
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         from keras_accel.data import tfdata
+
+        if getattr(batches.plan, "remainder", None) == "replicate":
+            # The pipeline's batches, then the short one whole in every replica.
+            # (All of them padded, so that the pipeline is one of any row count; the last
+            # one is not taken. The untaken pipeline is what the model is built from.)
+            full = batches.plan.num_batches - 1
+            pipeline = tfdata.array_pipeline(
+                replicated.padded_batches(batches), carry_mask, preprocess
+            )
+            distributed = self.distribute(pipeline.take(full), batches.plan.static_rows)
+            distributed.tail = (full, replicated.tail_of(batches), self.native)
+            return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
 
         if self.native is None and carry_mask and self.numeric_arrays(batches, preprocess):
             return HostBatches(batches)  # One device: no pipeline to build at each call.
@@ -293,6 +325,10 @@ class Distributed(tf.distribute.DistributedDataset):
     when read (the same numbers). Made at the first read, it is made where Keras reads it,
     after the epoch's `on_epoch_begin` (a shuffled epoch's order is set there)."""
 
+    # (full batches, the short batch's reader, the strategy): an epoch's iterator is a
+    # `replicated.TailIterator` (the pipeline's batches, then that one whole in every replica).
+    tail = None
+
     def __init__(self, dataset):
         self.dataset = dataset
         self._kind = None  # The class of the first iterator made: the later ones' class.
@@ -301,8 +337,11 @@ class Distributed(tf.distribute.DistributedDataset):
         if self._kind is None:
             first = self._make()
             self._kind = type(first)
-            return first
-        return library_internals.tf_iterator_made_when_read(self._make, self._kind)
+        else:
+            first = library_internals.tf_iterator_made_when_read(self._make, self._kind)
+        if self.tail is not None:
+            return replicated.TailIterator(first, *self.tail)
+        return first
 
     def _make(self):
         with library_internals.tf_device_datasets_without_autotune():
@@ -316,7 +355,7 @@ class Distributed(tf.distribute.DistributedDataset):
         return self.dataset.reduce(initial_state, reduce_func)
 
     def __getattr__(self, name):
-        if name in ("dataset", "_kind"):  # Not set yet: no recursion.
+        if name in ("dataset", "_kind", "tail"):  # Not set yet: no recursion.
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
