@@ -38,10 +38,25 @@ class Batches:
         which rows are padding: without targets nothing weights padding out of a loss, and a
         model's own `train_step` without the user's weights gets `(x, y)`, as in Keras."""
 
+        made: list = []
+
         def make(remainder):
-            batches = self.feeder.batches(
-                x, y, batch_size, shuffle, sample_weight, class_weight, True, remainder, True, kind
-            )
+            if made and _read_once(made[0]):
+                batches = made[0].with_remainder(remainder)
+            else:
+                batches = self.feeder.batches(
+                    x,
+                    y,
+                    batch_size,
+                    shuffle,
+                    sample_weight,
+                    class_weight,
+                    True,
+                    remainder,
+                    True,
+                    kind,
+                )
+            made.append(batches)
             return with_made_targets(batches, preprocessor(model))
 
         batches = make(self.remainder or "pad")
@@ -204,6 +219,12 @@ class Batches:
             stacklevel=user_stacklevel(),
         )
         return whole
+
+
+def _read_once(batches) -> bool:
+    """Whether `batches` come from a source that cannot be read again from its start (a
+    generator), which made anew would lose the first batch they read to learn its size."""
+    return isinstance(batches, sources.IterableBatches) and not batches.reiterable
 
 
 def _dropped(make, plan, what: str, advice: str):

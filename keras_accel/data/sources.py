@@ -22,6 +22,8 @@ installed) is `keras_accel.data.tfdata`'s.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -322,6 +324,7 @@ class IterableBatches:
         infinite = length is not None and length >= sys.maxsize
         if infinite:
             length = None
+        self._length = length
         self.plan = StreamPlan(
             batch_size=self._padder.first_rows,
             static_rows=self._padder.static_rows,
@@ -336,6 +339,20 @@ class IterableBatches:
 
     def first_batch(self):
         return self._padder.pad(as_numpy_batch(self._first, "batch 0"))
+
+    def with_remainder(self, remainder: str) -> IterableBatches:
+        """These batches under another `remainder` policy, not yet read: the same source
+        and first batch. A generator cannot be read again from its start: made anew from it,
+        its first batch, read here already to learn the batch size, would be lost."""
+        if self._started:
+            raise RuntimeError("with_remainder: these batches have been read already")
+        other = copy.copy(self)
+        other._padder = copy.copy(self._padder)
+        other._padder.remainder = remainder if self.plan.training else "pad"
+        other.plan = dataclasses.replace(
+            self.plan, remainder=remainder, num_batches=self._length if remainder == "pad" else None
+        )
+        return other
 
     def _elements(self):
         # The first batch was read to learn the batch size: it is served first, once.
