@@ -6,7 +6,7 @@ and in two processes on this host (each one half of every global batch, the grad
 all-reduced over gloo), each with its share of the host's cores for torch's threads. It
 prints the median seconds per epoch after warm-up epochs, and the scaling: one process's
 time over two processes' (above 1: two are faster). Each process count runs compiled
-(`torch_compiled` from the second step: `KERAS_ACCEL_JIT_COMPILE=1`) and eager
+(`backends.torch.compiled` from the second step: `KERAS_ACCEL_JIT_COMPILE=1`) and eager
 (`KERAS_ACCEL_JIT_COMPILE=0`).
 
     python benchmarks/torch_processes.py [--steps 1024] [--rounds 3] [--warmup 3]

@@ -4,7 +4,7 @@ Two ways run the same step with the same numbers, up to float rounding, and whic
 depends on the model and the machine, not on a rule: on one TensorFlow device a group of
 steps runs as one XLA program or as TensorFlow's graph step (Keras's "auto" leaves XLA off
 on every CPU); on torch, Keras's step runs compiled as one program
-(`keras_accel.adapter.backends.torch_compiled`) or eagerly, as Keras's torch trainer runs
+(`keras_accel.adapter.backends.torch.compiled`) or eagerly, as Keras's torch trainer runs
 it. Measured on a 2-core CPU: XLA ran a small Embedding + LayerNormalization text classifier
 5 times as fast as the graph step, and the seed CNN's convolutions 74 times as slowly. So,
 like cuDNN's benchmark mode for kernels, the Accelerator times both on the user's model:

@@ -2,10 +2,13 @@
 backend (`keras_accel.adapter.backends`), with the defaults of a backend that has nothing
 to do at a step.
 
-A runtime is built from a `Plan` by the backend's `build`, around the distribution object
-the strategy registry's builder made for it (`keras_accel.adapter.strategies.STRATEGIES`):
-`native` is that `keras.distribution` Distribution or `tf.distribute` strategy, None on
-one device.
+A runtime is built from a `Plan` by the backend's `build`, as the class the strategy
+registry hands back for the (backend, strategy) pair, around the distribution object the
+registry's builder made for it (`keras_accel.adapter.strategies.STRATEGIES`): `native` is
+that `keras.distribution` Distribution, `tf.distribute` strategy or torch process group,
+None on one device. Each backend has a base runtime (this class's subclass), and a strategy
+that behaves otherwise subclasses that, in a module of its own, overriding only what
+differs (`backends/tensorflow/multi_worker.py`, `backends/torch/data_parallel.py`).
 """
 
 from __future__ import annotations

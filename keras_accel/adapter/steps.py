@@ -46,7 +46,7 @@ class StepValue:
     `set`, `reset`), that torch's compiler can read too.
 
     torch.compile cannot trace `ContextVar.get`; a compiled torch step
-    (`keras_accel.adapter.backends.torch_compiled`) puts its step's values in `TRACED` for
+    (`keras_accel.adapter.backends.torch.compiled`) puts its step's values in `TRACED` for
     the duration of its trace instead (a plain dict, which it can), and every `get` reads
     them there while it is not empty."""
 
@@ -598,7 +598,7 @@ def _leaf_metrics(metrics):
 
 # Set while a global result is computed: a container's result (Keras's CompileMetrics) reads
 # its inner metrics' results from the state already reduced, which must not be reduced again.
-# A StepValue: a compiled torch step traces the reduction (`torch_compiled`).
+# A StepValue: a compiled torch step traces the reduction (`backends.torch.compiled`).
 _REDUCING = StepValue("reducing", default=False)
 
 

@@ -2,11 +2,22 @@
 into a plan.
 
 A `Plan` is backend-neutral (Keras's DeviceMesh idea): which devices, arranged how. Each
-strategy name has one entry in `STRATEGIES`, and each backend registers, per name, the
-builder that turns a `Plan` into that backend's object: a `keras.distribution`
-Distribution on JAX, a `tf.distribute` strategy on TensorFlow (the shape of Lightning
-Fabric's strategy registry). A backend registers its builders when it is imported
-(`keras_accel.adapter.backends.load`), so naming a strategy imports no backend.
+strategy name has one entry in `STRATEGIES`, and each backend registers, per name, two
+things (the shape of Lightning Fabric's strategy registry):
+
+- the builder that turns a `Plan` into that backend's object: a `keras.distribution`
+  Distribution on JAX, a `tf.distribute` strategy on TensorFlow, the process group on
+  torch (None for one device);
+- the runtime class that runs it (`keras_accel.adapter.runtime.Runtime`): what the
+  strategy does at each call, so that a strategy's behaviour is a class of its own, not a
+  test of its name inside one runtime. A name with none on a backend (a user's own
+  strategy) runs under that backend's base runtime.
+
+A strategy is one module under its backend's package, holding both (e.g.
+`keras_accel/adapter/backends/tensorflow/multi_worker.py`,
+`keras_accel/adapter/backends/torch/data_parallel.py`). A backend registers them when it
+is imported (`keras_accel.adapter.backends.load`), so naming a strategy imports no
+backend.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ class Strategy:
         devices_on: for a "data_model" mesh without `mesh_shape`, the axis that gets every
             device: "model" (`model_parallel`: (1, N)) or "data" (`fsdp`: (N, 1)).
         builders: backend name -> `Builder`, filled in by the backends.
+        runtimes: backend name -> the `Runtime` subclass that runs it there, filled in by
+            the backends; a backend missing here runs it under its base runtime.
         runs_on: the backends whose modules build it (for a built-in strategy), named by
             errors before those modules are imported: each registers its builders only
             when it loads, and one process loads one backend.
@@ -46,6 +59,7 @@ class Strategy:
     platform: str | None = None
     devices_on: str = "model"
     builders: dict[str, Builder] = dataclasses.field(default_factory=dict)
+    runtimes: dict[str, type] = dataclasses.field(default_factory=dict)
     runs_on: tuple[str, ...] = ()
 
 
@@ -118,6 +132,7 @@ class StrategyRegistry(collections.abc.Mapping):
         entry = Strategy(name, description, mesh, platform, devices_on)
         if name in self._entries:  # An override keeps the builders it does not replace.
             entry.builders.update(self._entries[name].builders)
+            entry.runtimes.update(self._entries[name].runtimes)
             entry.runs_on = self._entries[name].runs_on
         self._entries[name] = entry
         for backend, build in builders.items():
@@ -150,6 +165,39 @@ class StrategyRegistry(collections.abc.Mapping):
             return function
 
         return register
+
+    def runtime(self, name: str, backend: str, default: bool = False) -> Callable[[type], type]:
+        """A class decorator: the class runs strategy `name` on `backend` (a subclass of
+        that backend's `Runtime`, built as `cls(plan, native)` around what the builder
+        made). `default`: only where none is registered yet, as for `builder`.
+
+        Example, how a backend's strategy module registers its runtime beside its builder
+        (`keras_accel/adapter/backends/tensorflow/multi_worker.py`):
+
+            @STRATEGIES.builder("multi_worker", "tensorflow", default=True)
+            def _multi_worker(plan, layout_map): ...
+
+            @STRATEGIES.runtime("multi_worker", "tensorflow", default=True)
+            class MultiWorkerRuntime(Runtime): ...
+        """
+        entry = self.entry(name)
+
+        def register(cls: type) -> type:
+            if not isinstance(cls, type):
+                raise TypeError(
+                    f"A runtime must be a class (a subclass of the backend's Runtime). "
+                    f"Received: {cls!r} for {backend}={name!r}"
+                )
+            if not (default and backend in entry.runtimes):
+                entry.runtimes[backend] = cls
+            return cls
+
+        return register
+
+    def runtime_class(self, name: str, backend: str, base: type) -> type:
+        """The runtime class of strategy `name` on `backend`: the one registered, else
+        `base` (the backend's base runtime, which runs a user's own strategy)."""
+        return self.entry(name).runtimes.get(backend, base)
 
     def entry(self, name: str) -> Strategy:
         """The entry of `name`; an unknown name lists the valid ones."""

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_accel import Accelerator
-from keras_accel.adapter.backends import torch_compiled
+from keras_accel.adapter.backends.torch import compiled as torch_compiled
 
 # Every call of a compiled program, counted.
 RUNS = [0]

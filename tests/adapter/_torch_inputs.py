@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from keras_accel import Accelerator
-from keras_accel.adapter.backends import torch_collectives, torch_metrics
+from keras_accel.adapter.backends.torch import collectives as torch_collectives
+from keras_accel.adapter.backends.torch import metrics as torch_metrics
 
 # Small buckets, so that the backward pass sends several while it goes on (the default 25
 # MiB holds this whole model); each sent bucket is counted.

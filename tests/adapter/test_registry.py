@@ -43,6 +43,60 @@ def test_each_backend_registers_a_builder_for_every_name_but_auto(backend):
     assert not STRATEGIES.entry("auto").builders  # "auto" resolves to another name first.
 
 
+@pytest.mark.torch
+def test_each_backend_runs_every_name_it_builds_under_its_own_runtime_class(backend):
+    """A strategy's behaviour is a class the registry hands back per (backend, name): the
+    names that behave alike share the base runtime, the others subclass it."""
+    from keras_accel.adapter import backends
+    from keras_accel.adapter.runtime import Runtime
+
+    module = backends.load(backend)
+    built = [n for n in BUILT_IN if backend in STRATEGIES.entry(n).runs_on]
+    runtimes = {n: STRATEGIES.runtime_class(n, backend, None) for n in built}
+    assert all(isinstance(c, type) and issubclass(c, module.Runtime) for c in runtimes.values())
+    assert issubclass(module.Runtime, Runtime)
+    assert runtimes["single"] is module.Runtime
+    if backend == "tensorflow":
+        from keras_accel.adapter.backends.tensorflow.multi_worker import MultiWorkerRuntime
+        from keras_accel.adapter.backends.tensorflow.tpu import TPURuntime
+
+        assert runtimes["data_parallel"] is runtimes["mirrored"] is module.Runtime
+        assert (runtimes["multi_worker"], runtimes["tpu"]) == (MultiWorkerRuntime, TPURuntime)
+    elif backend == "torch":
+        from keras_accel.adapter.backends.torch.data_parallel import DataParallelRuntime
+
+        assert runtimes["data_parallel"] is DataParallelRuntime
+    else:  # One global-view program runs every Distribution.
+        assert set(runtimes.values()) == {module.Runtime}
+
+
+def test_an_accelerator_runs_its_strategys_runtime_class(backend):
+    acc = Accelerator(strategy="data_parallel", devices=FEW_REPLICAS)
+    assert type(acc._runtime) is STRATEGIES.runtime_class("data_parallel", backend, None)
+
+
+def test_runtimes_register_per_backend_and_a_user_strategy_falls_back(registry):
+    class Base:
+        pass
+
+    class Mine(Base):
+        pass
+
+    class Theirs(Base):
+        pass
+
+    assert registry.runtime_class("single", "jax", Base) is Base  # None registered.
+    registry.runtime("single", "jax")(Mine)
+    registry.runtime("single", "jax", default=True)(Theirs)  # A backend loading later.
+    assert registry.runtime_class("single", "jax", Base) is Mine
+    registry.register("single", "one device, again", override=True)
+    assert registry.runtime_class("single", "jax", Base) is Mine  # An override keeps it.
+    with pytest.raises(TypeError, match="must be a class.*Received: 3 for torch='single'"):
+        registry.runtime("single", "torch")(3)
+    with pytest.raises(ValueError, match="Received: strategy='singel'"):
+        registry.runtime("singel", "jax")
+
+
 def test_register_refuses_bad_entries(registry):
     with pytest.raises(ValueError, match="already registered .one device.*override=True"):
         registry.register("single", "again")

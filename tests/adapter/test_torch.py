@@ -377,7 +377,7 @@ def test_a_process_draws_its_rows_of_the_global_batchs_numbers(make):
     one process on the global batch."""
     import torch
 
-    from keras_accel.adapter.backends import torch_rows
+    from keras_accel.adapter.backends.torch import rows as torch_rows
     from keras_accel.adapter.patches import Patches
 
     x = np.random.default_rng(0).normal(size=(12, 6, 5)).astype("float32")
@@ -401,7 +401,7 @@ def test_a_process_draws_its_rows_of_the_global_batchs_numbers(make):
 
 
 def test_a_layer_that_draws_nothing_is_left_alone():
-    from keras_accel.adapter.backends import torch_rows
+    from keras_accel.adapter.backends.torch import rows as torch_rows
     from keras_accel.adapter.patches import Patches
 
     layers = [keras.layers.Dropout(0.0), keras.layers.GaussianNoise(0.0), keras.layers.Dropout(0.1)]
@@ -412,7 +412,8 @@ def test_a_layer_that_draws_nothing_is_left_alone():
 
 
 def test_a_users_metric_updated_with_a_batch_value_is_refused_by_name():
-    from keras_accel.adapter.backends import global_rows, torch_rows
+    from keras_accel.adapter.backends import global_rows
+    from keras_accel.adapter.backends.torch import rows as torch_rows
 
     class BatchMax(keras.metrics.Metric):
         def update_state(self, value):

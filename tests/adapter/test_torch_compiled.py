@@ -1,5 +1,5 @@
 """torch: Keras's train and test steps compiled as one program each
-(`keras_accel.adapter.backends.torch_compiled`), with plain eager Keras's numbers.
+(`keras_accel.adapter.backends.torch.compiled`), with plain eager Keras's numbers.
 
 Each case trains on uneven data (a padded last batch) and compares against plain
 `model.fit`/`evaluate` on one device, eagerly, `shuffle=False` both. A compilation costs
@@ -24,7 +24,7 @@ ROWS, BATCH = 37, 8
 
 @pytest.fixture
 def compiled():
-    from keras_accel.adapter.backends import torch_compiled
+    from keras_accel.adapter.backends.torch import compiled as torch_compiled
 
     return torch_compiled
 

@@ -1,21 +1,23 @@
 """One module per Keras backend, each with the same small contract, imported lazily.
 
-`jax` (device meshes), `tensorflow` (a package: tf.distribute strategies) and `torch` (one
-process per device over torch.distributed).
+`jax` (device meshes), `tensorflow` (a package: tf.distribute strategies) and `torch` (a
+package: one process per device over torch.distributed).
 
 Every backend module defines:
 
 - `inventory(probe_tpu=True) -> dict[str, list[str]]`: visible devices by platform ("tpu",
   "gpu", "cpu");
-- `build(plan, layout_map=None) -> Runtime`: the runtime for a `Plan`, around the object
-  the strategy registry's builder for this backend makes
-  (`keras_accel.adapter.strategies.STRATEGIES`; each backend registers its builders when
-  it is imported);
+- `build(plan, layout_map=None) -> Runtime`: the runtime for a `Plan`, an instance of the
+  class the strategy registry hands back for (this backend, the plan's strategy), around
+  the object the registry's builder for them makes
+  (`keras_accel.adapter.strategies.STRATEGIES`; each backend registers its builders and
+  runtime classes when it is imported, one module per strategy that behaves otherwise
+  than the backend's base runtime);
 - `backend_versions()`, and where several processes need it `connect(cluster)`,
   `agree_seed(seed)` and `agree_all(flag)`;
 
-and its `Runtime` subclasses `keras_accel.adapter.runtime.Runtime`, the contract the core
-calls (scope, the misplacement checks, what one call installs, row counts, `wrap`).
+and its base `Runtime` subclasses `keras_accel.adapter.runtime.Runtime`, the contract the
+core calls (scope, the misplacement checks, what one call installs, row counts, `wrap`).
 
 Importing this package imports no backend; `load()` imports exactly the one asked for, so a
 JAX-only install never imports TensorFlow.

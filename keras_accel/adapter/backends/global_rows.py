@@ -2,7 +2,7 @@
 holds a share of it, shared by both backends (it imports neither): which metrics keep a
 state that the processes' states do not add up to, and which layers draw per row.
 
-The backends act on these: `keras_accel.adapter.backends.torch_rows` (processes) and
+The backends act on these: `keras_accel.adapter.backends.torch.rows` (processes) and
 `keras_accel.adapter.backends.tensorflow.rows` and `.reduction` (replicas). JAX's arrays are
 global: one program sees the whole batch, and needs none of this. What they install, they
 install alike (`install_row_draws`, `UserMetricPatches`); each supplies only what differs:

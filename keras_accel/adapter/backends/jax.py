@@ -233,6 +233,15 @@ def _fsdp(plan: Plan, layout_map):
     )
 
 
+# One runtime runs every strategy on JAX: the Distribution the builder made is the whole
+# strategy (its layouts), and one compiled, global-view program runs it, whatever its name.
+@STRATEGIES.runtime("single", "jax", default=True)
+@STRATEGIES.runtime("data_parallel", "jax", default=True)
+@STRATEGIES.runtime("mirrored", "jax", default=True)
+@STRATEGIES.runtime("tpu", "jax", default=True)
+@STRATEGIES.runtime("multi_worker", "jax", default=True)
+@STRATEGIES.runtime("model_parallel", "jax", default=True)
+@STRATEGIES.runtime("fsdp", "jax", default=True)
 class Runtime(runtime.Runtime):
     """A `keras.distribution` Distribution (or a single device) built from a `Plan`."""
 
@@ -542,7 +551,8 @@ def build(plan: Plan, layout_map=None) -> Runtime:
             f"On JAX a strategy's builder returns a keras.distribution.Distribution or None. "
             f"Received: {type(native).__name__} from the builder of strategy={plan.strategy!r}"
         )
-    return Runtime(plan, native, layout_map_given=layout_map is not None)
+    runtime_class = STRATEGIES.runtime_class(plan.strategy, "jax", Runtime)
+    return runtime_class(plan, native, layout_map_given=layout_map is not None)
 
 
 def backend_versions() -> dict[str, str]:

@@ -122,7 +122,7 @@ class Steps:
 
     def _distributed(self, body, name: str):
         strategy = self.strategy
-        multi_worker = self.runtime.plan.strategy == "multi_worker"
+        spans_workers = self.runtime.spans_workers
 
         def step(batch):
             # Python here runs once per trace (and the body once per replica within it).
@@ -136,7 +136,7 @@ class Steps:
             # in Keras's own predict, the slices are concatenated from the local results (a
             # copy), not all-gathered: no collective runs, on any replica. Several workers
             # each hold only their own replicas' rows: those are gathered, as Keras does.
-            if multi_worker:
+            if spans_workers:
                 return tf.nest.map_structure(lambda t: strategy.gather(t, axis=0), outputs)
             return tf.nest.map_structure(
                 lambda t: tf.concat(strategy.experimental_local_results(t), axis=0), outputs

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 import torch.distributed
 
-from keras_accel.adapter.backends import global_rows, torch_collectives, torch_metrics, torch_rows
+from keras_accel.adapter.backends import global_rows
+from keras_accel.adapter.backends.torch import collectives as torch_collectives
+from keras_accel.adapter.backends.torch import metrics as torch_metrics
+from keras_accel.adapter.backends.torch import rows as torch_rows
 from keras_accel.adapter.batchnorm import install_batchnorm
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import preprocessor

@@ -2,10 +2,14 @@
 
 One module per job:
 
-- `tpu`: finding and connecting to a TPU, once per process;
+- `runtime`: the base `Runtime`, one device or a MirroredStrategy (`single`,
+  `data_parallel`, `mirrored`), and the distributed data sets it feeds;
+- `strategies`: the builders of those names (and the refusals of the JAX-only ones);
+- `multi_worker`: the `multi_worker` strategy, its builder and its runtime (each worker's
+  rows of every batch, its own files);
+- `tpu`: finding and connecting to a TPU, once per process, and the `tpu` strategy, its
+  builder and its runtime (Keras distributes the pipeline);
 - `cluster`: the process's MultiWorkerMirroredStrategy, and what workers agree on;
-- `strategies`: the strategy each name builds (the registry's TensorFlow builders);
-- `runtime`: the `Runtime` around that strategy, and the distributed data sets it feeds;
 - `gradients`: the replicas' gradients summed before the optimizer clips them;
 - `losses`: Keras's loss scaling made uniform, and the global batch's loss reported;
 - `reduction`: sums, metrics' global results and multi-worker logs across replicas;
@@ -19,6 +23,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+# Each strategy's module registers its builder and runtime class when imported.
+from keras_accel.adapter.backends.tensorflow import multi_worker, strategies, tpu  # noqa: F401
 from keras_accel.adapter.backends.tensorflow.cluster import agree_all, agree_seed, connect
 from keras_accel.adapter.backends.tensorflow.runtime import Runtime
 from keras_accel.adapter.backends.tensorflow.tpu import connect_tpu
@@ -48,16 +54,16 @@ def inventory(probe_tpu: bool = True) -> dict[str, list[str]]:
 
 def build(plan: Plan, layout_map=None) -> Runtime:
     native = STRATEGIES.build(plan, "tensorflow", layout_map)
+    runtime_class = STRATEGIES.runtime_class(plan.strategy, "tensorflow", Runtime)
     if isinstance(native, tf.distribute.Strategy):
-        # A multi-worker strategy's replicas span the workers; the plan lists this one's.
-        local = None if plan.strategy == "multi_worker" else len(native.extended.worker_devices)
+        local = runtime_class.local_devices(native)
         check_built(plan, native, native.num_replicas_in_sync, local)
     elif native is not None:
         raise TypeError(
             f"On TensorFlow a strategy's builder returns a tf.distribute.Strategy or None. "
             f"Received: {type(native).__name__} from the builder of strategy={plan.strategy!r}"
         )
-    return Runtime(plan, native)
+    return runtime_class(plan, native)
 
 
 def backend_versions() -> dict[str, str]:

@@ -1,5 +1,12 @@
-"""The TensorFlow runtime: a tf.distribute strategy from the registry, what one call
-changes under it, and the distributed data sets its replicas read."""
+"""The TensorFlow base runtime: one device or a `MirroredStrategy` from the registry
+(`single`, `data_parallel`, `mirrored`), what one call changes under it, and the
+distributed data sets its replicas read.
+
+The other strategies subclass it, one module each, registered beside their builders
+(`keras_accel.adapter.strategies.STRATEGIES.runtime`): `multi_worker` (each worker's rows
+of every batch, and the workers' own files) and `tpu` (Keras distributes the pipeline).
+What they change is a method each (`wrap`, `fed`, `distribute`, ...), not a test of the
+strategy's name."""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import tensorflow as tf
 
 from keras_accel.adapter import runtime
 from keras_accel.adapter.backends.global_rows import FirstReplicaCounts
-from keras_accel.adapter.backends.tensorflow import checks, cluster, replicated, xla
+from keras_accel.adapter.backends.tensorflow import checks, replicated, xla
 from keras_accel.adapter.backends.tensorflow.fused import fits_group_bytes, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
 from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
@@ -23,7 +30,7 @@ from keras_accel.adapter.backends.tensorflow.strategies import tf_device_name
 from keras_accel.adapter.layouts import Placement
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
-from keras_accel.adapter.strategies import Plan
+from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
 from keras_accel.data.batching import element, flatten
 from keras_accel.data.groups import GROUP_DATA, GROUP_REAL, GROUP_ROWS, GROUP_STEPS, RowGroups
@@ -32,8 +39,20 @@ from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_prepr
 from keras_accel.utils import keras_internals, library_internals
 
 
+@STRATEGIES.runtime("single", "tensorflow", default=True)
+@STRATEGIES.runtime("data_parallel", "tensorflow", default=True)
+@STRATEGIES.runtime("mirrored", "tensorflow", default=True)
 class Runtime(runtime.Runtime):
-    """A `tf.distribute` strategy (or one device) built from a `Plan`."""
+    """A `tf.distribute.MirroredStrategy` (or one device) built from a `Plan`; the base of
+    every TensorFlow strategy's runtime.
+
+    Attributes:
+        spans_workers: whether the strategy's replicas span several workers, each holding
+            only its own replicas' rows (`multi_worker`: a prediction's outputs are
+            gathered across them, `keras_accel.loop.backends.tensorflow`).
+    """
+
+    spans_workers = False
 
     def __init__(self, plan: Plan, native):
         super().__init__(plan, native)
@@ -43,19 +62,21 @@ class Runtime(runtime.Runtime):
     @property
     def whole_remainder(self) -> str | None:
         """One replica: "whole". Several replicas of one worker: "replicate", every replica
-        running the short batch whole (`replicated`). A TPU's or several workers' strategy:
-        None (its program's shapes, its workers' own pipelines: not built)."""
-        if self.num_replicas == 1:
-            return "whole"
-        if self.plan.strategy in ("tpu", "multi_worker"):
-            return None
-        return "replicate"
+        running the short batch whole (`replicated`). The TPU's and several workers'
+        runtimes: None (their programs' shapes, their workers' own pipelines: not built)."""
+        return "whole" if self.num_replicas == 1 else "replicate"
 
     def replicated_function(self, model, kind: str):
         if self.native is None or kind == "predict":
             return None
         regular = fused_function(model, kind)
         return replicated.replicated_function(model, kind, regular)
+
+    @staticmethod
+    def local_devices(native) -> int | None:
+        """The devices of this process that `native` (the builder's strategy) computes on,
+        which must be the plan's (`strategies.check_built`); None: not read."""
+        return len(native.extended.worker_devices)
 
     def device_scope(self):
         return tf.device(tf_device_name(self.plan.devices[0]))
@@ -113,8 +134,7 @@ class Runtime(runtime.Runtime):
         function serves every N; Keras's own TF function compiles N in."""
         if kind == "predict" or model.run_eagerly:
             return False
-        n = int(getattr(model, "steps_per_execution", 1) or 1)
-        return n > 1 or self.plan.strategy == "multi_worker"
+        return int(getattr(model, "steps_per_execution", 1) or 1) > 1
 
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.num_replicas > 1 and self._on_cpus():
@@ -166,37 +186,35 @@ class Runtime(runtime.Runtime):
 
         if self.native is None and carry_mask and self.numeric_arrays(batches, preprocess):
             return HostBatches(batches)  # One device: no pipeline to build at each call.
-        if _read_from_host(batches, preprocess) and self.plan.strategy != "multi_worker":
+        if _read_from_host(batches, preprocess):
             # Arrays on disk: read a batch at a time on the host, never made tensors whole
             # (an array pipeline holds its arrays whole as host tensors).
             if self.native is None and carry_mask and self.numeric_arrays(batches, None, True):
                 return HostBatches(batches)
-            return self._keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
-        if isinstance(batches, ArrayBatches):
-            pipeline = tfdata.array_pipeline(batches, carry_mask, preprocess)
-        elif isinstance(batches, tfdata.TFDatasetBatches):
-            own = batches.own_files if carry_mask else None
-            if own is not None:  # This worker's own files: its rows of each global batch.
-                mine = own.pipeline(carry_mask, preprocess)
-                distributed = self.distribute(mine, own.plan.static_rows, own=True)
-                return DistributedBatches(distributed, mine, num_batches=None)
-            pipeline = batches.pipeline(carry_mask, preprocess)
-        elif self.plan.strategy == "multi_worker":
-            raise ValueError(
-                "Under MultiWorkerMirroredStrategy keras_accel feeds each worker its rows of "
-                "every global batch through tf.data; a keras.utils.PyDataset, a generator or a "
-                "Grain data set has no tf.data form here. Received: "
-                f"{type(batches.source).__name__}. Pass arrays or a tf.data.Dataset."
-            )
-        elif isinstance(batches, IterableBatches):
+            return self.keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
+        if isinstance(batches, (ArrayBatches, tfdata.TFDatasetBatches)):
+            return self.fed(self.pipeline(batches, carry_mask, preprocess), batches, carry_mask)
+        if isinstance(batches, IterableBatches):
             refuse_preprocessing(batches, preprocess)
-            return self._keras_route(stream(batches, carry_mask=carry_mask), carry_mask)
-        else:  # A user's PyDataset: Keras's own route (tf.data from a generator).
-            return self._keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
-        if self.native is None or self.plan.strategy == "tpu":
-            return pipeline  # Keras distributes it (TPU: experimental_distribute_dataset).
-        if not carry_mask and self.plan.strategy != "multi_worker":
-            return pipeline  # `Accelerator.dataset`: a tf.data.Dataset, as it says.
+            return self.keras_route(stream(batches, carry_mask=carry_mask), carry_mask)
+        # A user's PyDataset: Keras's own route (tf.data from a generator).
+        return self.keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
+
+    @staticmethod
+    def pipeline(batches, carry_mask: bool, preprocess):
+        """In-memory arrays or a tf.data source as one tf.data pipeline of global batches."""
+        from keras_accel.data import tfdata
+
+        if isinstance(batches, ArrayBatches):
+            return tfdata.array_pipeline(batches, carry_mask, preprocess)
+        return batches.pipeline(carry_mask, preprocess)
+
+    def fed(self, pipeline, batches, carry_mask: bool):
+        """A pipeline of global batches as Keras's trainer takes it under this runtime: as
+        it is on one device (Keras feeds it) and for `Accelerator.dataset` (a
+        tf.data.Dataset, as it says), else split over the replicas (`distribute`)."""
+        if self.native is None or not carry_mask:
+            return pipeline
         distributed = self.distribute(pipeline, batches.plan.static_rows)
         return DistributedBatches(distributed, pipeline, num_batches=batches.plan.num_batches)
 
@@ -236,54 +254,27 @@ class Runtime(runtime.Runtime):
     def _on_cpus(self) -> bool:
         return all(name.lower().startswith("cpu") for name in self.plan.devices)
 
-    def _keras_route(self, source, carry_mask: bool):
+    def keras_route(self, source, carry_mask: bool):
         """A generator or a PyDataset of ours as Keras's trainer takes it: as it is where
         Keras distributes it (`Accelerator.dataset`: as it says), else through Keras's own
         adapter with our per-device data sets (`KerasRouteAdapter`)."""
-        if self.native is None or self.plan.strategy == "tpu" or not carry_mask:
+        if self.native is None or not carry_mask:
             return source
         return KerasRouteAdapter(source, self.native)
 
     def distribute(self, pipeline, static_rows: int, own: bool = False):
-        """Global batches of `static_rows` rows as the strategy's distributed data set: each
-        worker keeps its rows of every global batch (the same batches on every worker: same
-        order, same padding), and each of its replicas gets its slice of those. `own`: the
-        pipeline already holds only this worker's rows (its own files, `static_rows` each).
+        """Global batches of `static_rows` rows as the strategy's distributed data set, each
+        replica getting its slice of each (the same batches on every replica: same order,
+        same padding; `own`: the pipeline holds this worker's rows only, under
+        `multi_worker`).
 
         MirroredStrategy's own `experimental_distribute_dataset` splits each batch the same
         way, but first serializes and clones the pipeline's graph for the workers' devices;
         an in-memory array pipeline holds the arrays in its graph, so that copied them (a
-        CIFAR-10-sized training set cost 190 MiB more at the peak than this, 8 replicas).
-        Across workers this is what auto-sharding by data would do, except that it shards
-        rows of each batch, not whole batches: whole batches would give each worker other
-        global batches."""
-        from keras_accel.data import tfdata
-        from keras_accel.utils import process
+        CIFAR-10-sized training set cost 190 MiB more at the peak than this, 8 replicas)."""
+        return self.replica_slices(pipeline)
 
-        if self.plan.strategy == "tpu":
-            return self.native.experimental_distribute_dataset(pipeline)
-        if self.plan.strategy == "multi_worker" and not own:
-            share = static_rows // process.num_processes()
-            index = process.process_index()
-            pipeline = tfdata.take_rows(pipeline, slice(index * share, (index + 1) * share))
-        return self._distribute(pipeline)
-
-    def own_files(self, batches):
-        """Under MultiWorkerMirroredStrategy, this worker's own files of a file-backed
-        pipeline where every worker can read its own (`keras_accel.data.tfdata.
-        ProcessFiles`), else None. Where the workers' data end after different numbers of
-        batches, `tf.distribute`'s partial-batch handling feeds an empty batch to a worker
-        that ran out, as long as another has data (its `get_next_as_optional` all-reduces
-        which workers have a batch, every step): the step weights nothing there."""
-        from keras_accel.data import tfdata
-        from keras_accel.utils import process
-
-        if self.plan.strategy != "multi_worker":
-            return None
-        own = tfdata.process_files(batches, process.num_processes(), process.process_index())
-        return own if cluster.agree_all(own is not None) else None
-
-    def _distribute(self, mine):
+    def replica_slices(self, mine):
         """`mine` (this worker's rows of each global batch) as the strategy's distributed
         data set, each batch cut into its local replicas' slices."""
         from keras_accel.data import tfdata

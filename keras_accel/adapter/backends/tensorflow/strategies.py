@@ -1,5 +1,7 @@
-"""The tf.distribute strategy each strategy name builds (the registry's TensorFlow
-builders, `keras_accel.adapter.strategies.STRATEGIES`)."""
+"""The tf.distribute strategy that `single`, `data_parallel` and `mirrored` build (the
+registry's TensorFlow builders, `keras_accel.adapter.strategies.STRATEGIES`; they run under
+the base `runtime.Runtime`), and the refusals of the JAX-only names. `multi_worker` and
+`tpu` are modules of their own, builder and runtime together."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import warnings
 
 import tensorflow as tf
 
-from keras_accel.adapter.backends.tensorflow import cluster
-from keras_accel.adapter.backends.tensorflow.tpu import connect_tpu
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.utils.devices import parse_device_name
 
@@ -116,29 +116,6 @@ def _single(plan: Plan, layout_map):
 @STRATEGIES.builder("mirrored", "tensorflow", default=True)
 def _data_parallel(plan: Plan, layout_map):
     return _mirrored(tuple(plan.devices))
-
-
-@STRATEGIES.builder("tpu", "tensorflow", default=True)
-def _tpu(plan: Plan, layout_map):
-    return tf.distribute.TPUStrategy(connect_tpu())
-
-
-@STRATEGIES.builder("multi_worker", "tensorflow", default=True)
-def _multi_worker(plan: Plan, layout_map):
-    strategy = cluster.multi_worker()
-    if strategy is None:
-        raise RuntimeError(
-            "strategy='multi_worker' on TensorFlow needs the cluster joined first (the "
-            "Accelerator does it from TF_CONFIG); no MultiWorkerMirroredStrategy exists in "
-            "this process."
-        )
-    if strategy.num_replicas_in_sync != plan.num_replicas:
-        raise RuntimeError(
-            f"MultiWorkerMirroredStrategy has {strategy.num_replicas_in_sync} "
-            f"replicas where {plan.num_replicas} were planned ({plan.devices} per "
-            "worker): every worker must see the same devices."
-        )
-    return strategy
 
 
 @STRATEGIES.builder("model_parallel", "tensorflow", default=True)

@@ -1,4 +1,6 @@
-"""The TPU: where one might be, and connecting to it once per process, bounded in time."""
+"""The TPU: where one might be, connecting to it once per process, bounded in time, and
+the `tpu` strategy on TensorFlow (`TPUStrategy`): its builder and its runtime, under
+which Keras's trainer distributes the pipeline itself."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import os
 import threading
 
 import tensorflow as tf
+
+from keras_accel.adapter.backends.tensorflow.runtime import Runtime
+from keras_accel.adapter.strategies import STRATEGIES, Plan
 
 TPU_TIMEOUT_S = float(os.environ.get("KERAS_ACCEL_TPU_TIMEOUT", "60"))
 
@@ -55,3 +60,29 @@ def connect_tpu(timeout_s: float = TPU_TIMEOUT_S):
         raise RuntimeError(f"Could not connect to the TPU at {hint!r}: {result['error']}")
     _tpu_resolver = result["resolver"]
     return _tpu_resolver
+
+
+@STRATEGIES.builder("tpu", "tensorflow", default=True)
+def _tpu(plan: Plan, layout_map):
+    return tf.distribute.TPUStrategy(connect_tpu())
+
+
+@STRATEGIES.runtime("tpu", "tensorflow", default=True)
+class TPURuntime(Runtime):
+    """A `TPUStrategy`: Keras's trainer distributes the pipelines it is given
+    (`experimental_distribute_dataset`), which split each global batch over the cores."""
+
+    @property
+    def whole_remainder(self) -> str | None:
+        """A short last batch is not run whole in every replica here (its program's shapes:
+        not built): "whole" on one replica, else None."""
+        return "whole" if self.num_replicas == 1 else None
+
+    def fed(self, pipeline, batches, carry_mask: bool):
+        return pipeline  # Keras distributes it.
+
+    def keras_route(self, source, carry_mask: bool):
+        return source  # Keras's own adapter, distributed by Keras.
+
+    def distribute(self, pipeline, static_rows: int, own: bool = False):
+        return self.native.experimental_distribute_dataset(pipeline)

@@ -82,7 +82,7 @@ def reduced_values(variables, local=frozenset()) -> list:
     """Metric variables' values over every process's rows, reduced as their `aggregation`
     says ("sum", Keras's metrics' default; "mean"; "only_first_replica": the chief's), the
     others ("none", and those whose ids are in `local`: users' metrics, updated on the
-    global batch by `torch_rows.GatheredMetrics`) left as this process's. The variables keep
+    global batch by `rows.GatheredMetrics`) left as this process's. The variables keep
     their own values."""
     import torch
 
