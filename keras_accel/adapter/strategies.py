@@ -264,8 +264,8 @@ STRATEGIES.register(
 )
 STRATEGIES.register(
     "fsdp",
-    "JAX only: fully sharded data parallel (every variable split over the data axis; "
-    "optionally a (data, model) mesh with a LayoutMap)",
+    "fully sharded data parallel: every variable split over the data axis (JAX: optionally "
+    "a (data, model) mesh with a LayoutMap; torch: over processes, FSDP2)",
     mesh="data_model",
     devices_on="data",
 )
@@ -281,14 +281,14 @@ STRATEGIES.register(
 )
 BUILT_IN = frozenset(STRATEGIES)
 # The backends that build each built-in name (TensorFlow's model_parallel and fsdp builders
-# only refuse, naming JAX).
+# only refuse, naming the backends that build them).
 _EVERY_BACKEND = ("jax", "tensorflow", "torch")
 for _name, _on in {
     "single": _EVERY_BACKEND,
     "data_parallel": _EVERY_BACKEND,
     "mirrored": ("jax", "tensorflow"),
     "model_parallel": ("jax",),
-    "fsdp": ("jax",),
+    "fsdp": ("jax", "torch"),
     "tpu": ("jax", "tensorflow"),
     "multi_worker": ("jax", "tensorflow"),
 }.items():

@@ -26,7 +26,9 @@ One module per Keras area it reaches into, each listing its internals (`REQUIRED
 - `callbacks`: ModelCheckpoint's hooks, a callback's model, the calling CallbackList;
 - `data_adapters`: the `DataAdapter` base, `get_data_adapter`, Keras 3.16's stacked groups;
 - `global_state`: the Keras home directory and the global seed;
-- `serialization`: the lazy TensorFlow module Keras's serialization asks.
+- `serialization`: the lazy TensorFlow module Keras's serialization asks;
+- `torch_variables`: a torch variable's tensor, read from elsewhere for a call (fsdp), and
+  the torch parameters its layers register.
 
 This module holds the whole list and the check at first use: `check()` and `check_model()`
 read `REQUIRED`, `REQUIRED_TENSORFLOW` and the `*_ATTRIBUTES` tables from here.
@@ -109,6 +111,12 @@ from keras_accel.utils.keras_internals.optimizers import (
     variable_layout,
 )
 from keras_accel.utils.keras_internals.serialization import tensorflow_left_unimported
+from keras_accel.utils.keras_internals.torch_variables import (
+    raw_value,
+    read_value_through,
+    retrack_torch_params,
+    stop_reading_through,
+)
 from keras_accel.utils.keras_internals.trainers import (
     MODEL_ATTRIBUTES,
     compute_loss_of,
@@ -247,7 +255,11 @@ __all__ = [
     "reduce_per_replica",
     "replace_added_losses",
     "replace_all_reduce_sum_gradients",
+    "raw_value",
+    "read_value_through",
     "replace_batchnorm_moments",
+    "retrack_torch_params",
+    "stop_reading_through",
     "replace_compute_loss",
     "replace_tf_symbolic_build",
     "require",

@@ -43,6 +43,8 @@ from keras_accel.utils.library_internals.pytorch import (
     dcp_fsspec_reader,
     dcp_fsspec_writer,
     dcp_save_in_one_process,
+    fsdp_remove,
+    module_parameters,
     tensor_version,
 )
 from keras_accel.utils.library_internals.stdlib import (
@@ -82,6 +84,12 @@ def check(library: str) -> None:
             if not hasattr(torch.zeros(1), internal.name):
                 raise lookup.missing(internal)
             continue
+        if internal.module == "torch.nn.Module()":  # An instance attribute.
+            import torch
+
+            if not hasattr(torch.nn.Module(), internal.name):
+                raise lookup.missing(internal)
+            continue
         lookup.find(internal)
 
 
@@ -94,6 +102,8 @@ __all__ = [
     "check",
     "current_frames",
     "dcp_fsspec_reader",
+    "fsdp_remove",
+    "module_parameters",
     "dcp_fsspec_writer",
     "dcp_save_in_one_process",
     "exit_now",

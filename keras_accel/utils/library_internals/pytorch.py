@@ -65,3 +65,70 @@ def dcp_fsspec_writer(path: str):
 def dcp_fsspec_reader(path: str):
     """DCP's storage reader for a remote (fsspec) path."""
     return find(_FSSPEC_READER)(path)
+
+
+_MODULE_PARAMETERS = Internal(
+    "torch",
+    "torch.nn.Module()",
+    "_parameters",
+    "the parameters a module registers under their names: where FSDP2 swaps a shard for "
+    "the gathered weight and back, which a sharded Keras variable reads (fsdp)",
+)
+_COMPOSABLE_STATES = Internal(
+    "torch",
+    "torch.distributed._composable_state",
+    "_module_state_mapping",
+    "the FSDP2 state of each module that fully_shard was applied to, taken off again when "
+    "a call ends (fsdp leaves the user's model plain between calls)",
+)
+_COMPOSABLE_STATE_KEY = Internal(
+    "torch",
+    "torch.distributed._composable.contract",
+    "STATE_KEY",
+    "where fully_shard records itself on a module (taken off as above)",
+)
+_COMPOSABLE_REGISTRY_KEY = Internal(
+    "torch",
+    "torch.distributed._composable.contract",
+    "REGISTRY_KEY",
+    "where fully_shard registers itself on a module (taken off as above)",
+)
+_FSDP_HOOKS = Internal(
+    "torch",
+    "torch.distributed.fsdp (FSDPState)",
+    "_pre_forward_hook_handle",
+    "the forward hooks fully_shard puts on a module (removed as above)",
+)
+INTERNALS += [
+    _MODULE_PARAMETERS,
+    _COMPOSABLE_STATES,
+    _COMPOSABLE_STATE_KEY,
+    _COMPOSABLE_REGISTRY_KEY,
+]
+
+
+def module_parameters(module) -> dict:
+    """The parameters `module` registers, by name (`nn.Module._parameters`), to read and
+    replace in place."""
+    try:
+        return module._parameters
+    except AttributeError:
+        raise missing(_MODULE_PARAMETERS) from None
+
+
+def fsdp_remove(module, original_class: type) -> None:
+    """Take FSDP2's `fully_shard` off `module` again: its forward hooks, its state, its
+    record on the module, and the class it gave the module (`original_class` back). The
+    parameters are the caller's to put back (`module_parameters`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+        handle = getattr(state, name, None)
+        if handle is None:
+            raise missing(_FSDP_HOOKS)
+        handle.remove()
+    find(_COMPOSABLE_STATES).pop(module, None)
+    module.__dict__.pop(find(_COMPOSABLE_STATE_KEY), None)
+    module.__dict__.pop(find(_COMPOSABLE_REGISTRY_KEY), None)
+    module.__class__ = original_class

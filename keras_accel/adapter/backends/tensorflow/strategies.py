@@ -127,8 +127,9 @@ def _jax_only(plan: Plan, layout_map):
         "fsdp": "every variable split over the devices, gathered by the compiler where a "
         "step needs it (keras.distribution layouts, compiled by XLA's partitioner)",
     }.get(plan.strategy, "a keras.distribution layout")
+    also = " (or torch's, over processes)" if plan.strategy == "fsdp" else ""
     raise ValueError(
-        f"strategy={plan.strategy!r} needs the JAX backend: {what}; tf.distribute has no "
-        "equivalent in Keras 3. Received: KERAS_BACKEND=tensorflow. Use KERAS_BACKEND=jax, "
+        f"strategy={plan.strategy!r} needs the JAX backend{also}: {what}; tf.distribute has "
+        "no equivalent in Keras 3. Received: KERAS_BACKEND=tensorflow. Use KERAS_BACKEND=jax, "
         "or strategy='data_parallel'."
     )

@@ -5,6 +5,8 @@
 - `runtime`: the base `Runtime`, one process on its device (`single`);
 - `data_parallel`: the `data_parallel` strategy, its builder and its runtime (each
   process's rows of every batch, one averaged gradient, exact metrics and draws);
+- `fsdp`: the `fsdp` strategy, data parallelism whose variables and optimizer slots each
+  process holds a shard of (FSDP2, DTensor);
 - `collectives`: gradients averaged in buckets during the backward pass, variables
   broadcast, rows gathered;
 - `metrics`: Keras's metrics' state reduced over the processes, once per read;
@@ -21,7 +23,7 @@ from __future__ import annotations
 import keras
 
 # Each strategy's module registers its builder and runtime class when imported.
-from keras_accel.adapter.backends.torch import data_parallel
+from keras_accel.adapter.backends.torch import data_parallel, fsdp  # noqa: F401
 from keras_accel.adapter.backends.torch.process_group import (
     agree_all,
     agree_max,

@@ -96,9 +96,7 @@ class DataParallelRuntime(Runtime):
         if training:
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None:
-                buckets = GradientBuckets(model.trainable_variables)
-                patches.add(buckets.remove)
-                patches.set(optimizer, "apply", averaged_apply(optimizer.apply, buckets))
+                self.install_gradients(patches, model, optimizer)
             # Per-row random layers draw the global batch's numbers.
             GlobalRowDraws(self.num_replicas, self.rank).install(patches, model)
         # Users' metrics update on the global batch (their state need not be a sum);
@@ -118,7 +116,17 @@ class DataParallelRuntime(Runtime):
         # compile (a per-row random layer's draw, BatchNormalization's summed moments, a
         # gathered metric's update) fails in every process alike, and runs eagerly as above.
         # Whether to compile is measured on values every process agrees on (`agree_max`).
+        self.install_compiled(patches, model)
+
+    def install_compiled(self, patches: Patches, model) -> None:
         compiled.install(patches, model, agree=agree_max)
+
+    def install_gradients(self, patches: Patches, model, optimizer) -> None:
+        """The gradients averaged over the processes before `optimizer.apply` uses them:
+        sent in buckets while the backward pass goes on."""
+        buckets = GradientBuckets(model.trainable_variables)
+        patches.add(buckets.remove)
+        patches.set(optimizer, "apply", averaged_apply(optimizer.apply, buckets))
 
     def install_outer(self, patches: Patches, model) -> None:
         for kind in ("train", "test", "predict"):

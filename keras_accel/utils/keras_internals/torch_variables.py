@@ -1,0 +1,90 @@
+"""Keras's torch variables and layers: a variable's tensor (`Variable._value`, which Keras's
+own `value` reads, autocast included) and the torch parameters each layer registers
+(`TorchLayer._track_variables`, into `_torch_params`).
+
+`fsdp` on torch (`keras_accel.adapter.backends.torch.fsdp`) makes a variable read its
+tensor from where FSDP2 keeps it (a shard between steps, the gathered weight inside a
+layer's forward pass): its class becomes a subclass whose `_value` is a property, so
+that every Keras path that reads the variable reads that, and is put back after the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from keras_accel.utils.keras_internals.layers import flatten_layers
+from keras_accel.utils.keras_internals.lookup import require
+
+# Instance attributes, set when a variable is made and when a torch layer tracks its
+# variables; read on the objects themselves (`require`).
+VARIABLE_VALUE = "a torch variable's tensor"
+TORCH_PARAMS = "the torch parameters a layer registers for its variables"
+
+_READERS: dict = {}
+
+
+def read_value_through(variable, read: Callable) -> None:
+    """From now on `variable`'s tensor is `read()` (whatever it returns at each read)."""
+    require(variable, "_value", VARIABLE_VALUE)
+    base = type(variable)
+    if base not in _READERS:
+
+        class ReadThrough(base):
+            @property
+            def _value(self):
+                return self.__dict__["keras_accel_read"]()
+
+            @_value.setter
+            def _value(self, value):
+                raise AttributeError(
+                    "keras_accel: this variable is sharded for the call (fsdp); its value "
+                    "is set by the strategy, and whole again when the call ends."
+                )
+
+            def numpy(self):
+                _refuse_a_split_read(self)
+                return super().numpy()
+
+            def __array__(self, dtype=None):
+                _refuse_a_split_read(self)
+                return super().__array__(dtype)
+
+        ReadThrough.__name__ = ReadThrough.__qualname__ = base.__name__
+        _READERS[base] = ReadThrough
+    variable.__dict__["keras_accel_read"] = read
+    variable.__class__ = _READERS[base]
+    variable.__dict__.pop("_value", None)
+
+
+def _refuse_a_split_read(variable) -> None:
+    """A split variable cannot be read whole in one process (the gather is a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(variable.__dict__["keras_accel_read"](), DTensor):
+        raise ValueError(
+            f"Variable {variable.path} is split over the processes during this call "
+            "(strategy='fsdp' on torch): no process holds it whole to read as numpy. "
+            "Received: a read of its value inside the call (a callback such as "
+            "ModelCheckpoint?). Read the weights after the call (model.get_weights(), "
+            "model.save()), where the model is whole again, or use strategy='data_parallel'."
+        )
+
+
+def stop_reading_through(variable, base: type, value) -> None:
+    """`variable` as Keras made it (class `base`), holding `value`."""
+    variable.__dict__.pop("keras_accel_read", None)
+    variable.__class__ = base
+    variable.__dict__["_value"] = value
+
+
+def raw_value(variable):
+    """The tensor `variable` holds (`_value`, before Keras's autocast)."""
+    return require(variable, "_value", VARIABLE_VALUE)
+
+
+def retrack_torch_params(model) -> None:
+    """Every layer of `model` registers its variables' current tensors as its torch
+    parameters again (as Keras's own `_track_variables` does when a layer is built)."""
+    for layer in flatten_layers(model, include_self=True):
+        if hasattr(layer, "_torch_params"):  # Tracked already (a built layer).
+            require(layer, "_track_variables", TORCH_PARAMS)()
