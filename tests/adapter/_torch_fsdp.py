@@ -2,9 +2,10 @@
 python _torch_fsdp.py OUT STRATEGY
 
 37 rows in global batches of 8 (the last batch holds 5 rows: padded), a 3-layer MLP with
-BatchNormalization, trained 2 epochs with SGD (momentum) and with Adam, validated on 13
-rows after each epoch (a call inside the call), then evaluated and asked for every
-prediction; then a fit whose ModelCheckpoint reads the weights inside the call. During
+BatchNormalization and Dropout (the global batch's mask, drawn by a seed generator whose
+state FSDP2 must leave whole), trained 2 epochs with SGD (momentum) and with Adam,
+validated on 13 rows after each epoch (a call inside the call), then evaluated and asked
+for every prediction; then a fit whose ModelCheckpoint reads the weights inside the call. During
 each fit a callback records, at each batch's end, the local shapes of the variables and
 the optimizer's slots this process holds. Every process writes what it saw to
 OUT-<process>.npz.
@@ -27,6 +28,7 @@ def mlp():
             keras.layers.Dense(8, activation="relu"),
             keras.layers.BatchNormalization(),
             keras.layers.Dense(6, activation="relu"),
+            keras.layers.Dropout(0.3, seed=5),
             keras.layers.Dense(3),
         ]
     )

@@ -2,7 +2,7 @@
 every variable and optimizer slot that the process count divides (FSDP2, DTensor), train,
 evaluate and predict as one process on the global batch, on uneven data
 (tests/adapter/_torch_fsdp.py: 37 rows in batches of 8, SGD with momentum and Adam,
-BatchNormalization, validation inside the fit), and leave the model whole and plain after
+BatchNormalization, Dropout, validation inside the fit), and leave the model whole and plain after
 each call."""
 
 import os

@@ -160,7 +160,7 @@ class ShardedModel:
         # A layer registers its variables' tensors as torch parameters under their paths
         # when built; a variable given another tensor since (as a call of ours found) left
         # the old one registered, which FSDP2 would shard in its place: the current ones.
-        current = {v.path: keras_internals.raw_value(v) for v in model.weights}
+        current = {v.path: keras_internals.raw_value(v) for v in model.variables}
         homes = {}  # id(parameter) -> (its module's parameters, its name there).
         for module in model.modules():
             registered = library_internals.module_parameters(module)
@@ -173,7 +173,11 @@ class ShardedModel:
             model,
             mesh=self.mesh,
             shard_placement_fn=lambda param: Shard(split[id(param)][1]),
-            ignored_params={keras_internals.raw_value(v) for v in whole} or None,
+            # Whole: every other registered tensor (a seed generator's state, a metric's).
+            ignored_params={
+                p for i, p in ((i, self._param(homes[i])) for i in homes) if i not in split
+            }
+            or None,
         )
         swapped = self.state["swapped"]  # (variable, its class, its own tensor or None)
         for variable, _ in split.values():
@@ -198,6 +202,11 @@ class ShardedModel:
                     own = torch.nn.Parameter(shard, requires_grad=False)
                 keras_internals.read_value_through(slot, self._replicated_in_apply(own))
         self.state["sharded_params"] = [v.value for v, _ in split.values()]
+
+    @staticmethod
+    def _param(home):
+        registered, name = home
+        return registered[name]
 
     def _replicated_in_apply(self, own):
         """A reader of `own`: itself, except a tensor while the optimizer applies, a
