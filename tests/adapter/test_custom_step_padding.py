@@ -92,9 +92,12 @@ def test_a_step_that_reads_no_weights_drops_a_streamed_partial_batch(acc):
 
     with acc.scope():
         ours = _model(Unweighted)
+    steps = []
+    counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(1))
     with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
-        acc.fit(ours, batches(), epochs=1, verbose=0)
-    assert int(keras.ops.convert_to_numpy(ours.optimizer.iterations)) == ROWS // BATCH
+        acc.fit(ours, batches(), epochs=1, verbose=0, callbacks=[counted])
+    # (Not the optimizer's iterations: on TensorFlow Keras counts one more for a generator.)
+    assert len(steps) == ROWS // BATCH
 
 
 @pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))
