@@ -347,12 +347,16 @@ class IterableBatches:
         if self._started:
             raise RuntimeError("with_remainder: these batches have been read already")
         other = copy.copy(self)
-        other._padder = copy.copy(self._padder)
-        other._padder.remainder = remainder if self.plan.training else "pad"
-        other.plan = dataclasses.replace(
+        other.set_remainder(remainder)
+        return other
+
+    def set_remainder(self, remainder: str) -> None:
+        """This object's `remainder` policy (a copy's, in `with_remainder`), its padder its own."""
+        self._padder = copy.copy(self._padder)
+        self._padder.remainder = remainder if self.plan.training else "pad"
+        self.plan = dataclasses.replace(
             self.plan, remainder=remainder, num_batches=self._length if remainder == "pad" else None
         )
-        return other
 
     def _elements(self):
         # The first batch was read to learn the batch size: it is served first, once.
