@@ -22,9 +22,10 @@ pytestmark = [
 SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_replicated.py")
 
 
-def launch(script, out, *args):
-    """Runs `script OUT ARGS` in two torch processes; every process's OUT-<process>.npz."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="torch")
+def launch(script, out, *args, backend="torch"):
+    """Runs `script OUT ARGS` in two processes of `backend`; every process's OUT-<process>.npz
+    and what they printed."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND=backend)
     env.pop("KERAS_ACCEL_TEST_DEVICES", None)
     command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2"]
     run = subprocess.run(

@@ -1,8 +1,8 @@
-"""One process of a torch run of keras-io's ports over processes: each process runs the
+"""One process of a run of keras-io's ports over processes (torch, JAX): each process runs the
 examples named on the command line through `Accelerator.fit`, `evaluate` and `predict`, and
 their plain Keras twins on the whole data itself, from the same initial variables, as
 tests/keras_io/test_keras_io.py does in one process.
-Usage: python _torch_processes.py OUT NAME...; every process writes OUT-<process>.npz, keys
+Usage: python _processes.py OUT NAME...; every process writes OUT-<process>.npz, keys
 "<name>/<what>/ours" and "<name>/<what>/one"."""
 
 import os
