@@ -81,6 +81,15 @@ def unpadded_remainder(acc) -> bool:
     return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch", "tensorflow")
 
 
+def keep_pair(out, name, what, ours, one):
+    """`ours` and plain Keras's `one` (structures of arrays) into `out`, leaf by leaf, as
+    "<name>/<what>.<i>/ours" and ".../one": what a multi-process script saves and its test
+    compares (tests/adapter/test_torch_replicated.py's `compare`)."""
+    for i, (a, b) in enumerate(zip(keras.tree.flatten(ours), keras.tree.flatten(one))):
+        out[f"{name}/{what}.{i}/ours"] = np.asarray(a)
+        out[f"{name}/{what}.{i}/one"] = np.asarray(b)
+
+
 def weights_of(model):
     return [np.asarray(w) for w in model.get_weights()]
 

@@ -21,10 +21,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import functools  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_accel import Accelerator  # noqa: E402
+from tests.adapter.test_torch_compiled import Penalty  # noqa: E402
+from tests.helpers import keep_pair  # noqa: E402
 
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(37, 5)).astype("float32"), rng.integers(0, 3, 37)
@@ -94,14 +98,6 @@ class Custom(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
-class Penalty(keras.layers.Layer):
-    """An activity penalty added with `add_loss`: a mean over every row of the batch."""
-
-    def call(self, inputs):
-        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
-        return inputs
-
-
 def custom():
     keras.utils.set_random_seed(1)
     model = Custom()
@@ -130,11 +126,7 @@ def compiled():
 acc = Accelerator(seed=0)
 out = {}
 
-
-def keep(name, what, ours, one):
-    for i, (a, b) in enumerate(zip(keras.tree.flatten(ours), keras.tree.flatten(one))):
-        out[f"{name}/{what}.{i}/ours"] = np.asarray(a)
-        out[f"{name}/{what}.{i}/one"] = np.asarray(b)
+keep = functools.partial(keep_pair, out)
 
 
 for name, make in (("custom", custom), ("compiled", compiled)):

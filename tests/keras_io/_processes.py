@@ -10,10 +10,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import functools  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_accel import Accelerator  # noqa: E402
+from tests.helpers import keep_pair  # noqa: E402
 from tests.keras_io import keras_recipes, vision  # noqa: E402, F401  (registers the ports)
 from tests.keras_io._port import EXAMPLES  # noqa: E402
 from tests.keras_io.test_keras_io import BUILD_SEED, FIT_SEED  # noqa: E402
@@ -21,11 +24,7 @@ from tests.keras_io.test_keras_io import BUILD_SEED, FIT_SEED  # noqa: E402
 acc = Accelerator(seed=0)
 out = {}
 
-
-def keep(name, what, ours, one):
-    for i, (a, b) in enumerate(zip(keras.tree.flatten(ours), keras.tree.flatten(one))):
-        out[f"{name}/{what}.{i}/ours"] = np.asarray(a)
-        out[f"{name}/{what}.{i}/one"] = np.asarray(b)
+keep = functools.partial(keep_pair, out)
 
 
 for name in sys.argv[2:]:
