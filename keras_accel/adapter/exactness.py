@@ -10,7 +10,7 @@ weigh 0. Keras's own losses and metrics do. Two kinds of user code cannot:
 
 A third kind is the model itself: a `call` that computes a row's output from the other rows
 of its batch (a sum over the batch axis), so that padding rows change the real rows'
-outputs; found by running the model on a few real rows with and without zero rows after
+outputs; found by running the model on a few real rows with and without padding rows after
 them.
 
 Plain Keras is exact on the same data (it never pads), so the Accelerator finds these
@@ -77,12 +77,12 @@ def inexact_under_padding(model, sample) -> list[str]:
 
 
 def _mixes_rows(model, x, y_pred) -> bool:
-    """Whether the model's output for a row changes when padding rows (zeros, as the
-    feeder pads) follow it in the batch, in inference: a `call` that reduces over the batch
-    (keras-io's movie recommender: `ops.tensordot(users, movies, 2)` sums every row's
-    products into each output). One more forward pass of a few rows; numeric inputs only."""
+    """Whether the model's output for a row changes when padding rows (copies of a real
+    row, as the feeder pads) follow it in the batch, in inference: a `call` that reduces over
+    the batch (keras-io's movie recommender: `ops.tensordot(users, movies, 2)` sums every
+    row's products into each output). One more forward pass of a few rows."""
     leaves = keras.tree.flatten(x)
-    if not leaves or any(np.asarray(a).dtype.kind not in "biuf" for a in leaves):
+    if not leaves:
         return False
     rows = len(leaves[0])
     padded = keras.tree.map_structure(lambda a: pad_rows(np.asarray(a), 2 * rows), x)

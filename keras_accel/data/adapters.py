@@ -10,6 +10,8 @@ one static size, so none has a partial batch, and a step's batch size is the bat
 
 from __future__ import annotations
 
+import itertools
+
 from keras_accel.data.batching import unpack
 from keras_accel.utils import keras_internals
 
@@ -36,7 +38,9 @@ class PaddedBatchesAdapter(keras_internals.data_adapter_class()):
         Keras passes nothing and gets the batches one by one."""
         if not super_batch:
             return iterator
-        return keras_internals.super_batch_iterator()(iterator, super_batch, stack_fn=_stack)
+        return keras_internals.super_batch_iterator()(
+            _same_rows_in_groups(iterator, super_batch), super_batch, stack_fn=_stack
+        )
 
     @property
     def batch_size(self):
@@ -77,14 +81,26 @@ class DatasetPasses(PaddedBatchesAdapter):
         return self.dataset.num_batches
 
 
+def _same_rows_in_groups(iterator, size: int):
+    """`iterator`'s batches, each group of `size` (the ones Keras stacks) brought to one row
+    count (`same_rows`): batches of a stream that grew sit in different buckets. Keras's
+    `stack_fn` sees one leaf at a time, where a padding row's inputs (copies of a real row)
+    and its weight and mask (0) cannot be told apart; here whole batches are."""
+    from keras_accel.data.batching import same_rows
+
+    iterator = iter(iterator)
+    while True:
+        group = list(itertools.islice(iterator, size))
+        if not group:
+            return
+        yield from same_rows(group)
+
+
 def _stack(leaves):
     """Batches' leaves on a new leading axis: numpy where they are numpy, else on the
     devices where they lie."""
     import numpy as np
 
-    from keras_accel.data.batching import same_rows
-
-    leaves = same_rows(leaves)  # Batches of a stream that grew: some in larger buckets.
     if all(isinstance(leaf, np.ndarray) for leaf in leaves):
         return np.stack(leaves)
     import jax.numpy as jnp

@@ -125,18 +125,41 @@ def map_structure(fn, structure: Any) -> Any:
 
 
 def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
-    """`array` with zero rows (empty strings for text) appended along axis 0 up to `rows`."""
-    missing = rows - array.shape[0]
+    """`array` with copies of its last row appended along axis 0 up to `rows` (zeros, ""
+    for text, where it has no row): the inputs and targets of a padding row.
+
+    Copies of a real row, not zeros, because user code sees padding rows before any weight
+    can take them out: a `StringLookup(num_oov_indices=0)` refuses "", a `log` or a division
+    turns a row of zeros into inf, and 0 times inf is a NaN in the weighted sum. A real
+    row's values are ones the user's code already handles; weighted 0, they add exact zeros.
+    A padding row's weight and mask are 0 (`pad_zeros`)."""
+    missing = _missing(array, rows)
     if missing == 0:
         return array
+    if array.shape[0] == 0:
+        return pad_zeros(array, rows)
+    return np.concatenate([array, np.repeat(array[-1:], missing, axis=0)], axis=0)
+
+
+def pad_zeros(array: np.ndarray, rows: int) -> np.ndarray:
+    """`array` with zero rows ("" for text) appended along axis 0 up to `rows`: a padding
+    row's sample weight and row mask."""
+    missing = _missing(array, rows)
+    if missing == 0:
+        return array
+    fill = "" if array.dtype.kind in "OUS" else 0
+    padding = np.full((missing,) + array.shape[1:], fill, dtype=array.dtype)
+    return np.concatenate([array, padding], axis=0)
+
+
+def _missing(array: np.ndarray, rows: int) -> int:
+    missing = rows - array.shape[0]
     if missing < 0:
         raise ValueError(
             f"A batch of {array.shape[0]} rows does not fit the static batch size of {rows} "
             "rows: pad it to `bucket_rows(rows, static_rows)` rows instead."
         )
-    fill = "" if array.dtype.kind in "OUS" else 0
-    padding = np.full((missing,) + array.shape[1:], fill, dtype=array.dtype)
-    return np.concatenate([array, padding], axis=0)
+    return missing
 
 
 def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any, cut: int | None = None) -> tuple:
@@ -313,10 +336,14 @@ class StreamPlan:
         num_batches: batches per pass, where the data set knows it; None where it does not
             (it ends when it ends) or is infinite.
         infinite: the data set repeats for ever (only `steps_per_epoch` ends an epoch).
-        pads: whether a batch may carry padding rows. True unless every batch is known to
-            be full and a replica multiple (a tf.data batch dimension fixed by
-            `drop_remainder=True`): a short batch is recognised when it arrives.
-        remainder: "pad" keeps a partial batch (padded); "drop" skips it when it arrives.
+        pads: whether a batch may carry padding rows that reach the step. True unless
+            every batch is known to be full and a replica multiple (a tf.data batch
+            dimension fixed by `drop_remainder=True`), or the remainder gives the step real
+            rows alone (`UNPADDED`): a short batch is recognised when it arrives.
+        remainder: "pad" keeps a partial batch (padded); "drop" skips it when it arrives;
+            "whole", "cut" or "replicate" (`PLAN_REMAINDERS`) give the model's code the real
+            rows of every batch that has padding, as a batch's rows are known: when it
+            arrives (`cut_of`).
         training: the weight rule of `Accelerator.dataset` for a plain `model.fit`.
         kind: what the data set is, for messages ("tf.data.Dataset", "generator").
     """
@@ -333,7 +360,7 @@ class StreamPlan:
     num_samples = None  # Never known in advance.
 
     def __post_init__(self):
-        if self.remainder not in REMAINDER_POLICIES:
+        if self.remainder not in PLAN_REMAINDERS:
             raise ValueError(
                 f"`remainder` must be one of {REMAINDER_POLICIES}. "
                 f"Received: remainder={self.remainder!r}"
@@ -349,6 +376,16 @@ class StreamPlan:
         )
         return f"a {self.kind} ({length}) in batches of {self.batch_size}"
 
+    def cut_of(self, batch: tuple) -> int | None:
+        """The real rows the step cuts padded `batch` (`(x, y, sample_weight, row_mask)`) to
+        under "cut" and "replicate" (0: it has no padding), as `BatchPlan.cut_rows` says by
+        index where the rows are known in advance; None under the other remainders."""
+        if self.remainder not in ("cut", "replicate"):
+            return None
+        mask = np.asarray(batch[3])
+        real = int(np.count_nonzero(mask))
+        return real if real < mask.shape[0] else 0
+
     def weight_scale(self, index: int, real_rows: int, static_rows: int | None = None) -> float:
         """The factor on a batch's real rows' weights for a plain `model.fit`: the mean over
         its real rows (training's rule; for evaluation too, since the total is unknown).
@@ -362,48 +399,65 @@ def pad_batch(
 ) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     """Pad one batch to `rows` rows: `(x, y, sample_weight, row_mask)`.
 
-    Real rows keep their weight (1 if none was given) times `weight_scale`; padding rows get
-    weight 0 and mask 0. A weight array keeps its shape beyond the first axis (Keras accepts
-    `(N,)` and `(N, 1)`, or per-timestep weights).
+    Real rows keep their weight (1 if none was given) times `weight_scale`; padding rows
+    (copies of the last real row, `pad_rows`) get weight 0 and mask 0. A weight array keeps
+    its shape beyond the first axis (Keras accepts `(N,)` and `(N, 1)`, or per-timestep
+    weights).
     """
     real = num_rows(x)
     weights = np.ones((real,), "float32") if sample_weight is None else sample_weight
     weights = np.asarray(weights, dtype="float32") * np.float32(weight_scale)
     pad = lambda a: pad_rows(np.asarray(a), rows)  # noqa: E731
-    mask = pad_rows(np.ones((real,), "float32"), rows)
-    return map_structure(pad, x), map_structure(pad, y), pad_rows(weights, rows), mask
+    mask = pad_zeros(np.ones((real,), "float32"), rows)
+    return map_structure(pad, x), map_structure(pad, y), pad_zeros(weights, rows), mask
 
 
 def padding_like(batch: tuple) -> tuple:
     """A batch of padding only, shaped as `batch` (`(x, y, sample_weight, row_mask)`,
-    numpy): zeros everywhere, row mask 0. What a process whose own data has ended feeds
-    while another's has not, so that every process runs every step."""
+    numpy): `batch`'s inputs and targets (real values, see `pad_rows`), its weights and row
+    mask 0. What a process whose own data has ended feeds while another's has not, so that
+    every process runs every step."""
+    x, y, weights, mask = batch
     zeros = lambda a: np.zeros_like(a)  # noqa: E731
-    return tuple(map_structure(zeros, part) for part in batch)
+    return x, y, map_structure(zeros, weights), map_structure(zeros, mask)
 
 
-def same_rows(leaves: Sequence) -> list:
-    """Leaves of several batches padded with zero rows to the largest one's rows: batches
-    of one stream may sit in different buckets (`bucket_rows`), and a group of them run in
-    one compiled program (steps_per_execution) is stacked on a new axis. The rows added are
-    padding everywhere (the row mask and the weights are 0 there too), so every step's
-    results are those of its real rows, as before."""
-    rows = max(int(leaf.shape[0]) for leaf in leaves)
-    if all(int(leaf.shape[0]) == rows for leaf in leaves):
-        return list(leaves)
+def same_rows(batches: Sequence) -> list:
+    """Batches (as `pack` makes them) brought to the largest one's rows: batches of one
+    stream may sit in different buckets (`bucket_rows`), and a group of them run in one
+    compiled program (steps_per_execution) is stacked on a new axis. The rows added are
+    padding as `pad_batch` adds it (copies of a real row, weight and row mask 0), so every
+    step's results are those of its real rows, as before. Numpy batches, or batches on the
+    devices already (JAX)."""
+    counts = [num_rows(batch[0]) for batch in batches]
+    rows = max(counts)
+    if all(count == rows for count in counts):
+        return list(batches)
     out = []
-    for leaf in leaves:
-        missing = rows - int(leaf.shape[0])
-        if missing:
-            widths = [(0, missing)] + [(0, 0)] * (len(leaf.shape) - 1)
-            if isinstance(leaf, np.ndarray):
-                leaf = np.pad(leaf, widths)
-            else:  # On the devices already (JAX).
-                import jax.numpy as jnp
-
-                leaf = jnp.pad(leaf, widths)
-        out.append(leaf)
+    for batch, count in zip(batches, counts):
+        if count < rows:
+            marked = (len(batch) == 2 and isinstance(batch[1], tuple)) or (
+                len(batch) == 3 and len(batch[2]) == 3
+            )
+            cut = (cut_rows(batch) or 0) if marked else None
+            x, y, weights, mask = unpack(batch)
+            x, y = (map_structure(lambda a: _grown(a, rows, True), t) for t in (x, y))
+            weights, mask = (None if t is None else _grown(t, rows, False) for t in (weights, mask))
+            batch = pack(x, y, weights, mask, cut)
+        out.append(batch)
     return out
+
+
+def _grown(leaf, rows: int, repeat: bool):
+    """`pad_rows` (`repeat`) or `pad_zeros` of a leaf on the host or on the devices."""
+    if isinstance(leaf, np.ndarray):
+        return pad_rows(leaf, rows) if repeat else pad_zeros(leaf, rows)
+    import jax.numpy as jnp
+
+    missing = rows - int(leaf.shape[0])
+    if repeat and leaf.shape[0]:
+        return jnp.concatenate([leaf, jnp.repeat(leaf[-1:], missing, axis=0)], axis=0)
+    return jnp.pad(leaf, [(0, missing)] + [(0, 0)] * (len(leaf.shape) - 1))
 
 
 def check_same_length(arrays: Sequence[tuple[str, Any]]) -> int:

@@ -77,7 +77,8 @@ class RowGroups:
     positions (int64, `steps` x the static batch size, flattened) of the rows of the
     group's padded batches in the epoch's order (`ArrayBatches.epoch_indices`, the order of
     every backend), and each slot's real rows (int32, `steps`); a padding row's position is
-    0 and its row is masked out (`keras_accel.data.tfdata.gather_group`). An epoch's last
+    its batch's last real row's, weighted and masked out (`keras_accel.data.tfdata.
+    gather_group`). An epoch's last
     group holds k < `steps` batches; its missing slots have no real rows and are never
     run, so every element has one shape. The rows are those of `batches.epoch` at each
     epoch's first group (`Accelerator.fit` sets it as each epoch begins)."""
@@ -108,10 +109,13 @@ class RowGroups:
         if count == steps and rows == static and (real == static).all():
             positions = np.asarray(order[start : start + count * rows], np.int64)
         else:  # A padded batch in the group, or missing slots.
-            positions = np.zeros((steps, static), np.int64)
+            # A padding row reads its batch's last real row (`keras_accel.data.batching.
+            # pad_rows` says why), an empty slot's the data's first; weight and mask 0.
+            positions = np.full((steps, static), order[0], np.int64)
             for slot in range(count):
                 begin = start + slot * rows
                 positions[slot, : real[slot]] = order[begin : begin + real[slot]]
+                positions[slot, real[slot] :] = order[begin + real[slot] - 1]
             positions = positions.reshape(-1)
         self._position += 1
         if self._position == self.groups_per_epoch:

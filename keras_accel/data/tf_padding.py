@@ -33,9 +33,10 @@ def _bucket(rows, static: int):
     return tf.while_loop(lambda size: size < rows, lambda size: size * 2, [static])[0]
 
 
-def _pad_leaf(t, static: int, target=None):
+def _pad_leaf(t, static: int, target=None, repeat: bool = True):
     """`t` padded to `static` rows; to `target` (a bucket, a tensor) where the stream's
-    batches may outgrow the first, its batch dimension then unknown to tf.data."""
+    batches may outgrow the first, its batch dimension then unknown to tf.data. With copies
+    of its last row (`repeat`: inputs, targets), else zeros (weights, the row mask)."""
     t = tf.convert_to_tensor(t)
     rows = tf.shape(t)[0]
     fill = "" if t.dtype == tf.string else tf.zeros([], t.dtype)
@@ -58,11 +59,20 @@ def _pad_leaf(t, static: int, target=None):
         target, first = static, static
     else:
         first = None  # Any bucket: tf.data's element spec leaves the rows unknown.
-    if t.shape.rank is None:  # E.g. `tf.io.parse_tensor`'s output: the rank is known later.
+    if repeat:
+        # Copies of the last real row (`keras_accel.data.batching.pad_rows` says why); a
+        # tf.data batch has at least one row.
+        rows = tf.cast(rows, tf.int32)
+        padded = tf.gather(t, tf.minimum(tf.range(target), tf.maximum(rows - 1, 0)))
+        if t.shape.rank is None:
+            return padded
+    elif t.shape.rank is None:  # E.g. `tf.io.parse_tensor`'s output: the rank is known later.
         zeros = tf.zeros([tf.rank(t) - 1, 2], tf.int32)
         paddings = tf.concat([[[0, target - tf.cast(rows, tf.int32)]], zeros], axis=0)
         return tf.pad(t, paddings, constant_values=fill)
-    padded = tf.pad(t, [[0, target - rows]] + [[0, 0]] * (t.shape.rank - 1), constant_values=fill)
+    else:
+        widths = [[0, target - rows]] + [[0, 0]] * (t.shape.rank - 1)
+        padded = tf.pad(t, widths, constant_values=fill)
     return tf.ensure_shape(padded, [first] + t.shape[1:].as_list())
 
 
@@ -85,10 +95,11 @@ def batch_padder(
         rows = rows_of(x)
         target = _bucket(rows, static) if grows else None
         pad = lambda t: _pad_leaf(t, static, target)  # noqa: E731
+        zeros = lambda t: _pad_leaf(t, static, target, repeat=False)  # noqa: E731
         if y is None:
             if not carry_mask:
                 return (tf.nest.map_structure(pad, x),)
-            return pack(tf.nest.map_structure(pad, x), None, None, pad(tf.ones([rows])))
+            return pack(tf.nest.map_structure(pad, x), None, None, zeros(tf.ones([rows])))
         if sample_weight is None:
             weights = tf.ones([rows], tf.float32)
         else:
@@ -100,10 +111,11 @@ def batch_padder(
                 size = static if target is None else target
                 scale = tf.cast(size, tf.float32) / tf.cast(rows, tf.float32)
             weights = weights * scale
-        x, y, weights = (tf.nest.map_structure(pad, t) for t in (x, y, weights))
+        x, y = (tf.nest.map_structure(pad, t) for t in (x, y))
+        weights = tf.nest.map_structure(zeros, weights)
         if not carry_mask:
             return x, y, weights
-        return pack(x, y, weights, pad(tf.ones([rows], tf.float32)))
+        return pack(x, y, weights, zeros(tf.ones([rows], tf.float32)))
 
     return fn
 

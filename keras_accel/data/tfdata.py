@@ -152,17 +152,19 @@ def gather_group(leaves, positions, real, steps: int):
     """The padded batches of a group (`keras_accel.data.groups.RowGroups`) as the step
     reads them, stacked on a new first axis of `steps`: `pack(x, y, weights, mask)`, each
     array's rows gathered from `leaves` (`host_arrays`) at `positions` (`steps` x the static
-    batch size, flattened), the rows past each slot's `real` rows zeros with mask and weight
-    0, the weights the user's (as float32) or the mask: the batches `ArrayBatches.batch`
-    makes, value for value."""
+    batch size, flattened; a padding row's position is a real row's, `RowGroups` says which),
+    the rows past each slot's `real` rows with mask and weight 0, the weights the user's (as
+    float32) or the mask: the batches `ArrayBatches.batch` makes, value for value."""
     static = positions.shape[0] // steps
     mask = tf.cast(tf.range(static)[tf.newaxis, :] < real[:, tf.newaxis], tf.float32)
 
     def gathered(t, dtype=None):
         out = tf.gather(t, positions)
         out = tf.reshape(out, [steps, static, *t.shape[1:]])
-        if dtype is not None:
-            out = tf.cast(out, dtype)
+        return out if dtype is None else tf.cast(out, dtype)
+
+    def weighed(t):
+        out = gathered(t, tf.float32)
         keep = tf.reshape(mask > 0, [steps, static] + [1] * (out.shape.rank - 2))
         return tf.where(keep, out, tf.zeros_like(out))
 
@@ -171,7 +173,7 @@ def gather_group(leaves, positions, real, steps: int):
     if y is None:
         return pack(x, None, None, mask)
     y = tf.nest.map_structure(gathered, y)
-    weights = mask if sample_weight is None else gathered(sample_weight, tf.float32)
+    weights = mask if sample_weight is None else weighed(sample_weight)
     return pack(x, y, weights, mask)
 
 
@@ -227,9 +229,12 @@ def _group_loader(batches: ArrayBatches, leaves, real_rows, order, carry_mask: b
         count = tf.shape(indices)[0]
         offsets = tf.range(static, dtype=tf.int64)
         # Row r of batch i is real where r < its real rows (never past `rows` <= `static`).
-        real = offsets[tf.newaxis, :] < tf.gather(real_rows, indices)[:, tf.newaxis]
-        positions = tf.where(real, indices[:, tf.newaxis] * rows + offsets[tf.newaxis, :], 0)
-        positions = tf.reshape(positions, [-1])
+        counts = tf.gather(real_rows, indices)[:, tf.newaxis]
+        real = offsets[tf.newaxis, :] < counts
+        # A padding row reads its batch's last real row, as `batch_padder` pads (its
+        # `pad_rows` says why); its weight and row mask are 0 (`masked`).
+        within = tf.minimum(offsets[tf.newaxis, :], tf.maximum(counts - 1, 0))
+        positions = tf.reshape(indices[:, tf.newaxis] * rows + within, [-1])
         if order is not None:
             positions = tf.gather(order, positions)
 
@@ -237,12 +242,11 @@ def _group_loader(batches: ArrayBatches, leaves, real_rows, order, carry_mask: b
             return tf.reshape(t, tf.concat([[count, static], tf.shape(t)[1:]], axis=0))
 
         def masked(t):
-            # Padding rows hold zeros ("" for strings), as `keras_accel.data.tf_padding` pads.
             keep = tf.reshape(real, [-1, static] + [1] * (t.shape.rank - 2))
             return tf.where(keep, t, tf.zeros_like(t))
 
         def gathered(t):
-            out = masked(grouped(tf.gather(t, positions)))
+            out = grouped(tf.gather(t, positions))
             return tf.ensure_shape(out, [None, static] + t.shape[1:].as_list())
 
         x, y, sample_weight = leaves

@@ -23,7 +23,10 @@ def test_padding_weights_give_real_row_mean_in_training():
     x = np.arange(6, dtype="float32").reshape(3, 2)
     px, py, sw, mask = pad_batch(x, np.array([1, 2, 3]), None, rows=8, weight_scale=8 / 3)
     assert px.shape == (8, 2) and py.shape == (8,)
-    np.testing.assert_array_equal(px[3:], 0)
+    # Padding rows are copies of the last real row (values user code handles), weighted 0.
+    np.testing.assert_array_equal(px[3:], np.repeat(x[-1:], 5, axis=0))
+    np.testing.assert_array_equal(py[3:], 3)
+    np.testing.assert_array_equal(sw[3:], 0)
     np.testing.assert_array_equal(mask, [1, 1, 1, 0, 0, 0, 0, 0])
     losses = np.array([1.0, 2.0, 6.0, 9, 9, 9, 9, 9])
     # Keras's sum_over_batch_size: sum(w * l) / rows.
@@ -56,10 +59,10 @@ def test_one_table_of_rows_and_weights():
     assert BatchPlan(num_samples=12, batch_size=6, static_rows=8, remainder="drop").pads
 
 
-def test_padding_keeps_the_weight_shape_and_pads_strings_with_empty_ones():
+def test_padding_keeps_the_weight_shape_and_pads_strings_with_a_real_one():
     x = np.array([["a"], ["bc"]], dtype=object)
     px, _, sw, mask = pad_batch(x, np.zeros(2), np.ones((2, 1)), rows=4, weight_scale=2.0)
-    assert px[:, 0].tolist() == ["a", "bc", "", ""]
+    assert px[:, 0].tolist() == ["a", "bc", "bc", "bc"]  # Never "": a lookup may refuse it.
     assert sw.shape == (4, 1) and sw[:, 0].tolist() == [2.0, 2.0, 0.0, 0.0]
     assert mask.tolist() == [1, 1, 0, 0]
 

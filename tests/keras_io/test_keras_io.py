@@ -58,11 +58,6 @@ XFAIL: dict[tuple[str, str], str] = {
     ("timeseries/timeseries_classification_from_scratch", "tensorflow"): _ITEM4,
     ("vision/oxford_pets_image_segmentation", "jax"): f"{_ITEM4} {_NOISE}",
     ("vision/oxford_pets_image_segmentation", "tensorflow"): f"{_ITEM4} {_NOISE}",
-    ("keras_recipes/memory_efficient_embeddings", "tensorflow"): (
-        "not in #59's list: the padding rows of a string input are '', which the example's "
-        "StringLookup(num_oov_indices=0) refuses: 'all inputs should be in vocabulary, found "
-        'OOV values ["" "" ""]\' (plain Keras never feeds such a row)'
-    ),
     ("structured_data/collaborative_filtering_movielens", "tensorflow"): _BATCH_COUPLED,
     ("timeseries/timeseries_classification_from_scratch", "torch"): (
         "#59 item 4: BatchNormalization's moments (E[x^2] - E[x]^2 over the real rows) "

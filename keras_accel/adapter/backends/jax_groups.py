@@ -274,12 +274,12 @@ def _stack(batches: list):
     batches lie (their batch axis keeps its layout, now axis 1)."""
 
     def stack(*leaves):
-        leaves = same_rows(leaves)  # Batches of a stream that grew: some in larger buckets.
         if all(isinstance(leaf, np.ndarray) for leaf in leaves):
             return np.stack(leaves)
         return jnp.stack(leaves)
 
-    return jax.tree.map(stack, *batches)
+    # Batches of a stream that grew: some in larger buckets.
+    return jax.tree.map(stack, *same_rows(batches))
 
 
 def _fill(leaf, length: int):
