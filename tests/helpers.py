@@ -81,6 +81,15 @@ def unpadded_remainder(acc) -> bool:
     return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch", "tensorflow")
 
 
+def unpadded_stream(acc) -> bool:
+    """Whether `acc` runs the short batches of a stream read in Python (a generator, a
+    `PyDataset`) unpadded where padding would reach code that weights no rows: where it
+    runs arrays' so, but over several TensorFlow replicas (`tf.distribute` splits every
+    batch of a stream; there the short batch is dropped in training, an evaluation
+    refused)."""
+    return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch")
+
+
 def keep_pair(out, name, what, ours, one):
     """`ours` and plain Keras's `one` (structures of arrays) into `out`, leaf by leaf, as
     "<name>/<what>.<i>/ours" and ".../one": what a multi-process script saves and its test

@@ -5,7 +5,8 @@ reach the step weighted 0 where every loss and metric honours that
 the user's that is not given the weights, `add_loss`, a loss or metric that ignores them:
 `keras_accel.adapter.unweighted`) the last partial batch reaches the model's code unpadded
 where the runtime can run it so (`Runtime.whole_remainder`: one replica, JAX, torch's
-processes, a MirroredStrategy's replicas), and
+processes, a MirroredStrategy's replicas; for a stream read in Python, as each batch comes,
+`Runtime.whole_stream_remainder`), and
 elsewhere training drops it with a note saying why and how to keep it, and an evaluation
 that would count padding is refused, naming what would. Also each kind's `StepContract`:
 what its step is given."""
@@ -117,10 +118,16 @@ class Batches:
         `name` is the argument, `call` what the refusal names): refused where padding would
         count in the loss or a metric, or where there are no targets to weight it out."""
 
+        made: list = []
+
         def make(remainder):
-            batches = self.feeder.batches(
-                x, y, batch_size, False, sample_weight, None, False, remainder, True, kind
-            )
+            if made and _read_once(made[0]):  # A generator: its first batch is read.
+                batches = made[0].with_remainder(remainder)
+            else:
+                batches = self.feeder.batches(
+                    x, y, batch_size, False, sample_weight, None, False, remainder, True, kind
+                )
+            made.append(batches)
             return with_made_targets(batches, preprocessor(model))
 
         batches = make(None)
@@ -199,11 +206,29 @@ class Batches:
     def _whole(self, make, plan, reason: str, kind, model):
         """The batches with their short last batch reaching the model's code unpadded, as
         its real rows alone (compiled once more, for its shape), where the runtime runs one
-        (`Runtime.whole_remainder`) and the input is numeric arrays read a batch at a time
-        (text and keras-hub preprocessing run in tf.data pipelines, which pad); else None.
-        Said once."""
-        mode = self.feeder.runtime.whole_remainder
-        if mode is None or kind != sources.ARRAYS or preprocessor(model) is not None:
+        (`Runtime.whole_remainder`) and the input is numeric arrays read a batch at a time,
+        or a stream read in Python (`Runtime.whole_stream_remainder`: a generator, a
+        `PyDataset`, each batch with padding marked as it comes); text and keras-hub
+        preprocessing run in tf.data pipelines, which pad: else None. Said once."""
+        runtime = self.feeder.runtime
+        if preprocessor(model) is not None:
+            return None
+        if kind in _PYTHON_STREAMS:
+            mode = runtime.whole_stream_remainder
+            if mode is None:
+                return None
+            whole = make(mode)
+            if not _numeric(sources.sample_batch(whole)):
+                return None
+            warnings.warn(
+                f"keras_accel: {reason}; a batch of {plan.describe()} that is not full (its "
+                "last, if it has one) runs unpadded, as a batch of its real rows, as plain "
+                "Keras runs it (one more compilation, for its shape).",
+                stacklevel=user_stacklevel(),
+            )
+            return whole
+        mode = runtime.whole_remainder
+        if mode is None or kind != sources.ARRAYS:
             return None
         whole = make(mode)
         if not Runtime.numeric_arrays(whole, array_likes=True):
@@ -219,6 +244,18 @@ class Batches:
             stacklevel=user_stacklevel(),
         )
         return whole
+
+
+# Streams read in Python, batch by batch, whose short batches the padder marks as they come.
+_PYTHON_STREAMS = (sources.GENERATOR, sources.PY_DATASET)
+
+
+def _numeric(batch) -> bool:
+    import numpy as np
+
+    from keras_accel.data.batching import flatten
+
+    return all(np.asarray(a).dtype.kind in "biuf" for a in flatten(batch) if a is not None)
 
 
 def _read_once(batches) -> bool:
@@ -252,7 +289,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`), or use a "
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
         "that nothing is padded (numeric arrays' last partial batch runs unpadded on one "
-        "device, on JAX, over torch's processes and over MirroredStrategy's replicas)."
+        "device, on JAX, over torch's processes and over MirroredStrategy's replicas; a "
+        "generator's or PyDataset's on one device, on JAX and over torch's processes)."
     )
 
 

@@ -62,6 +62,14 @@ class Runtime:
         of these can, the Accelerator drops or refuses it (`keras_accel.adapter.batches`)."""
         return "whole" if self.num_replicas == 1 else None
 
+    @property
+    def whole_stream_remainder(self) -> str | None:
+        """`whole_remainder` for a data set read in Python as it comes (a generator, a
+        `PyDataset`), whose batches reach the step through `keras_accel.data.pydataset`:
+        each batch with padding is marked as it is padded (`StreamPlan.cut_of`). None where
+        the runtime feeds such a stream another way."""
+        return self.whole_remainder
+
     def device_scope(self):
         """The context that puts new variables on the plan's one device (`native` None)."""
         return contextlib.nullcontext()

@@ -42,9 +42,12 @@ class StaticBatchDataset(keras.utils.PyDataset):
         return len(self.batches)
 
     def __getitem__(self, index: int):
-        # The real rows the step cuts a marked batch to (`BatchPlan.cut_rows`), or None.
         plan = self.batches.plan
-        cut = getattr(plan, "cut_rows", lambda index: None)(index)
+        if hasattr(plan, "cut_of"):  # A PyDataset: a batch's rows are known as it is read.
+            batch = self.batches.batch(index, scale=not self.carry_mask)
+            return _marked(batch, plan, self.carry_mask, self.rows)
+        # The real rows the step cuts a marked batch to (`BatchPlan.cut_rows`), or None.
+        cut = plan.cut_rows(index)
         if self.rows is not None and getattr(plan, "replicated", lambda index: False)(index):
             # Every process reads this batch whole: its step runs on all of its real rows in
             # every process, as one device runs it (`remainder="replicate"`).
@@ -75,6 +78,17 @@ def stream(batches, carry_mask: bool = True, rows=None):
 
     def generate():
         for batch in batches.batches(scale=not carry_mask):
-            yield element(batch, carry_mask, rows, batches.plan.static_rows)
+            yield _marked(batch, batches.plan, carry_mask, rows)
 
     return generate()
+
+
+def _marked(batch, plan, carry_mask: bool, rows):
+    """A stream's padded `batch` as this process's step reads it, marked with the real rows
+    its step cuts it to where the plan says so (`StreamPlan.cut_of`: "cut", "replicate"):
+    under "replicate" a batch with padding is read whole in every process, as the
+    replicated batch of arrays is (`StaticBatchDataset.__getitem__`)."""
+    cut = plan.cut_of(batch)
+    if cut and plan.remainder == "replicate":
+        return element(batch, carry_mask, None, cut=cut)
+    return element(batch, carry_mask, rows, plan.static_rows, cut)

@@ -31,6 +31,7 @@ import numpy as np
 
 from keras_accel.data.array_batches import ArrayBatches
 from keras_accel.data.batching import (
+    UNPADDED,
     StreamPlan,
     bucket_rows,
     num_rows,
@@ -136,6 +137,10 @@ class _Padder:
     def pad(self, batch: tuple, scale: bool = False, plan=None, index: int = 0) -> tuple:
         x, y, sw = batch
         rows = num_rows(x)
+        if self.remainder == "whole":
+            # One replica, for code that cannot weight padding out: every batch as it
+            # came, a step compiled for each new size, as plain Keras compiles one.
+            return pad_batch(x, y, sw, rows)
         static = bucket_rows(rows, self.static_rows)
         if static != self.static_rows:
             note_growth(self.kind, self.first_rows, rows, self.static_rows, static)
@@ -222,6 +227,7 @@ class PyDatasetBatches:
             static_rows=self._padder.static_rows,
             num_batches=self.count,
             infinite=count is None,
+            pads=remainder not in UNPADDED,
             remainder=remainder,
             training=training,
             kind="PyDataset",
@@ -307,7 +313,7 @@ class IterableBatches:
         self._padder = _Padder(
             as_numpy_batch(first, "batch 0"),
             num_replicas=num_replicas,
-            remainder=remainder if training else "pad",
+            remainder=_served(remainder, training),
             kind=self.kind,
         )
         self.has_targets = self._padder.has_targets
@@ -328,8 +334,9 @@ class IterableBatches:
         self.plan = StreamPlan(
             batch_size=self._padder.first_rows,
             static_rows=self._padder.static_rows,
-            num_batches=length if remainder == "pad" else None,
+            num_batches=length if remainder != "drop" else None,
             infinite=infinite,
+            pads=remainder not in UNPADDED,
             remainder=remainder,
             training=training,
             kind=self.kind,
@@ -353,9 +360,12 @@ class IterableBatches:
     def set_remainder(self, remainder: str) -> None:
         """This object's `remainder` policy (a copy's, in `with_remainder`), its padder its own."""
         self._padder = copy.copy(self._padder)
-        self._padder.remainder = remainder if self.plan.training else "pad"
+        self._padder.remainder = _served(remainder, self.plan.training)
         self.plan = dataclasses.replace(
-            self.plan, remainder=remainder, num_batches=self._length if remainder == "pad" else None
+            self.plan,
+            remainder=remainder,
+            num_batches=self._length if remainder != "drop" else None,
+            pads=remainder not in UNPADDED,
         )
 
     def _elements(self):
@@ -378,6 +388,12 @@ class IterableBatches:
                 continue
             yield self._padder.pad(batch, scale, self.plan, index)
             index += 1
+
+
+def _served(remainder: str, training: bool) -> str:
+    """The padder's policy: an evaluation sees every batch ("drop" is training's only); the
+    ways to give code its real rows alone hold for both (`batching.UNPADDED`)."""
+    return remainder if training or remainder in UNPADDED else "pad"
 
 
 def refuse_preprocessing(batches, preprocess) -> None:

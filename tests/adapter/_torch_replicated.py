@@ -13,6 +13,9 @@ every process writes OUT-<process>.npz, keys "<case>/<what>/ours" and "<case>/<w
   a compiled loss with `reduction="sum"` (which each process scales by the process count
   where gradients are averaged, and not in the replicated step). Its twin runs eagerly.
 
+- "generator", "pydataset": "custom" fed by a stream read in Python, each batch with padding
+  marked as it comes (no validation).
+
 37 rows in batches of 8: the last batch has 5 real rows; 13 validation rows, 11 evaluated.
 """
 
@@ -147,6 +150,43 @@ for name, make in (("custom", custom), ("compiled", compiled)):
     evaluate = dict(batch_size=8, verbose=0, return_dict=True)
     expected = twin.evaluate(x_test, y_test, **evaluate)
     got = acc.evaluate(ours, x_test, y_test, **evaluate)
+    for key in expected:
+        keep(name, f"evaluate.{key}", got[key], expected[key])
+
+
+def batches_of(a, b):
+    for start in range(0, len(a), 8):
+        yield a[start : start + 8], b[start : start + 8]
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, a, b):
+        super().__init__()
+        self.a, self.b = a, b
+
+    def __len__(self):
+        return -(-len(self.a) // 8)
+
+    def __getitem__(self, i):
+        return self.a[i * 8 : (i + 1) * 8], self.b[i * 8 : (i + 1) * 8]
+
+
+# Streams read in Python: every process reads the same stream and keeps its share of each
+# batch, and the short one (marked as it comes) whole.
+for name, source in (("generator", batches_of), ("pydataset", Batches)):
+    with acc.scope():
+        ours = custom()
+    twin = custom()
+    twin.set_weights(ours.get_weights())
+    keras.utils.set_random_seed(7)
+    expected = twin.fit(source(x, y), epochs=1, shuffle=False, verbose=0).history
+    keras.utils.set_random_seed(7)
+    history = acc.fit(ours, source(x, y), epochs=1, shuffle=False, verbose=0).history
+    for key in expected:
+        keep(name, f"history.{key}", history[key], expected[key])
+    keep(name, "weights", ours.get_weights(), twin.get_weights())
+    expected = twin.evaluate(source(x_test, y_test), verbose=0, return_dict=True)
+    got = acc.evaluate(ours, source(x_test, y_test), verbose=0, return_dict=True)
     for key in expected:
         keep(name, f"evaluate.{key}", got[key], expected[key])
 np.savez(f"{sys.argv[1]}-{acc.process_index}.npz", **out)

@@ -3,6 +3,7 @@ guide "Customizing what happens in fit()") is given the last partial batch padde
 0, by default: it trains every row, as plain one-device Keras does. A step that reads no
 weights still gets `(x, y)` and its last partial batch is dropped, with a note."""
 
+import contextlib
 import warnings
 
 import keras
@@ -12,7 +13,7 @@ import pytest
 from keras_accel import Accelerator
 from keras_accel.adapter.steps import honours_sample_weight
 from tests.conftest import NUM_DEVICES
-from tests.helpers import assert_weights_close, unpadded_remainder, weights_of
+from tests.helpers import assert_weights_close, unpadded_remainder, unpadded_stream, weights_of
 
 pytestmark = pytest.mark.torch
 
@@ -82,22 +83,75 @@ def test_a_step_that_honours_weights_trains_every_row_by_default(acc):
     assert_weights_close(weights_of(ours), weights_of(plain))
 
 
-def test_a_step_that_reads_no_weights_drops_a_streamed_partial_batch(acc):
-    # Read as it comes, a short batch is known only when it arrives: it cannot run unpadded.
-    x, y = _data()
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-ROWS // BATCH)
+
+    def __getitem__(self, i):
+        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
+
+
+def _stream(kind, x, y):
+    if kind == "PyDataset":
+        return _Batches(x, y)
 
     def batches():
         for start in range(0, ROWS, BATCH):
             yield x[start : start + BATCH], y[start : start + BATCH]
 
-    with acc.scope():
+    return batches()
+
+
+@pytest.mark.parametrize("kind", ["generator", "PyDataset"])
+@pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))
+def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kind, devices):
+    # Read as it comes, a short batch is known when it arrives: marked then, it runs as its
+    # real rows, as plain Keras runs it (a generator's first batch, read to learn the batch
+    # size, is not lost on the way). Over several TensorFlow replicas, which split every
+    # batch of a stream, it is dropped in training and an evaluation is refused.
+    one = Accelerator(devices=devices)
+    x, y = _data()
+    with one.scope():
         ours = _model(Unweighted)
+    plain = _model(Unweighted)
     steps = []
     counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(1))
-    with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
-        acc.fit(ours, batches(), epochs=1, verbose=0, callbacks=[counted])
-    # (Not the optimizer's iterations: on TensorFlow Keras counts one more for a generator.)
-    assert len(steps) == ROWS // BATCH
+    if not unpadded_stream(one):
+        with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
+            one.fit(ours, _stream(kind, x, y), epochs=1, verbose=0, callbacks=[counted])
+        # (Not the optimizer's iterations: on TensorFlow Keras counts one more for a
+        # generator.)
+        assert len(steps) == ROWS // BATCH
+        with pytest.raises(ValueError, match="overrides test_step and gets"):
+            one.evaluate(_checked(ours, one), _stream(kind, x, y), verbose=0)
+        return
+    with pytest.warns(UserWarning, match="that is not full .* runs unpadded"):
+        history = one.fit(
+            ours, _stream(kind, x, y), epochs=1, shuffle=False, verbose=0, callbacks=[counted]
+        )
+    expected = plain.fit(_stream(kind, x, y), epochs=1, shuffle=False, verbose=0)
+    assert len(steps) == -(-ROWS // BATCH)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    assert_weights_close(weights_of(ours), weights_of(plain))
+    ours, plain = _checked(ours, one), _checked(plain)
+    with pytest.warns(UserWarning, match="runs unpadded"):
+        got = one.evaluate(ours, _stream(kind, x, y), verbose=0, return_dict=True)
+    want = plain.evaluate(_stream(kind, x, y), verbose=0, return_dict=True)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def _checked(model, acc=None):
+    """`model`'s weights in a model whose `test_step` reads no weights (`Unpacking`), built
+    in `acc`'s scope where given."""
+    with acc.scope() if acc is not None else contextlib.nullcontext():
+        other = _model(Unpacking)
+    other.set_weights(model.get_weights())
+    return other
 
 
 @pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))

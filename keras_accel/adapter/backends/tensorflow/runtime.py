@@ -66,6 +66,13 @@ class Runtime(runtime.Runtime):
         runtimes: None (their programs' shapes, their workers' own pipelines: not built)."""
         return "whole" if self.num_replicas == 1 else "replicate"
 
+    @property
+    def whole_stream_remainder(self) -> str | None:
+        """One replica: "whole" (Keras's generator route takes batches of any size). Over
+        several, a stream reaches the replicas through `tf.distribute`, which splits every
+        batch: None (its short batch is dropped in training, an evaluation refused)."""
+        return "whole" if self.num_replicas == 1 else None
+
     def replicated_function(self, model, kind: str):
         if self.native is None or kind == "predict":
             return None
