@@ -41,11 +41,6 @@ _BATCH_COUPLED = (
     "adapter/exactness.py, and the last partial batch runs whole in every replica, but every "
     "full batch is still split; JAX and one replica see whole batches)"
 )
-_ITEM4 = "#59 item 4: BatchNormalization's moments over replicas drift from one device's"
-_NOISE = (
-    "(predict 1e-5 off; its biases before BatchNormalization are float noise that Adam "
-    "amplifies, see _biases_before_batchnorm, which may leave it above 1e-6 after the fix)"
-)
 XFAIL: dict[tuple[str, str], str] = {
     # TensorFlow, several replicas: the VAE's last partial batch runs whole in every replica
     # (since the replicated remainder); its Sampling layer still draws per replica.
@@ -54,15 +49,7 @@ XFAIL: dict[tuple[str, str], str] = {
         "the batch's shape, not in RANDOM_ROW_LAYERS) draws the first rows' numbers in every "
         "replica, where one device draws the whole batch's: kl_loss 0.4% off"
     ),
-    ("timeseries/timeseries_classification_from_scratch", "jax"): _ITEM4,
-    ("timeseries/timeseries_classification_from_scratch", "tensorflow"): _ITEM4,
-    ("vision/oxford_pets_image_segmentation", "jax"): f"{_ITEM4} {_NOISE}",
-    ("vision/oxford_pets_image_segmentation", "tensorflow"): f"{_ITEM4} {_NOISE}",
     ("structured_data/collaborative_filtering_movielens", "tensorflow"): _BATCH_COUPLED,
-    ("timeseries/timeseries_classification_from_scratch", "torch"): (
-        "#59 item 4: BatchNormalization's moments (E[x^2] - E[x]^2 over the real rows) "
-        "drift from Keras's"
-    ),
     ("timeseries/timeseries_anomaly_detection", "torch"): (
         "#59 item 6: the loss 1e-4 off (relative) with the fix of torch's Dropout masks in: "
         "Dropout on 3-D activations (rows, steps, channels), the last batch 10 real rows of 16"
@@ -89,13 +76,18 @@ def _cases():
 
 
 def _biases_before_batchnorm(model):
-    """The biases of the layers whose output goes straight into a BatchNormalization (a
-    Conv1D's in timeseries_classification_from_scratch, ...). BatchNormalization subtracts
-    them again, so their gradient is 0 in exact arithmetic and, computed, float noise whose
-    value depends on the order of the batch's sums (one device's against 8 replicas'); Adam
-    divides it by its own root mean square and moves such a bias by up to the learning rate
-    a step in a direction the noise picks. Plain Keras on one device and on 8 differs there
-    as much: these are not compared (the outputs they do not change are)."""
+    """(bias, layer) for each bias of a layer whose output goes straight into a
+    BatchNormalization `layer` (a Conv1D's in timeseries_classification_from_scratch, ...).
+    BatchNormalization subtracts the bias again, so its gradient is 0 in exact arithmetic
+    and, computed, float noise whose value depends on the order of the batch's sums (one
+    device's against 8 replicas'); Adam divides it by its own root mean square and moves such
+    a bias by up to the learning rate a step in a direction the noise picks. That layer's
+    `moving_mean` follows the bias (each batch's mean holds it) at `1 - momentum` a step.
+    Plain Keras on one device and on 8 (`keras.distribution.DataParallel`) differ there as
+    much (measured on timeseries_classification_from_scratch, its rows cut to 40 so that every
+    batch splits: conv biases up to 2.2e-4 apart, moving means 6.9e-6, everything else
+    within 2.4e-7): these are compared within that noise (`_within_bias_noise`), the
+    outputs they do not change exactly."""
     found, models = [], [model]
     while models:  # the model and the models inside it, through the public `layers`
         layers = list(getattr(models.pop(), "layers", ()))
@@ -109,16 +101,37 @@ def _biases_before_batchnorm(model):
                 except (AttributeError, ValueError):  # no output, or several calls
                     continue
                 if feeds and getattr(source, "bias", None) is not None:
-                    found.append(source.bias)
-    return {id(v) for v in found}
+                    found.append((source.bias, user))
+    return found
 
 
-def _close(got, want, what):
+def _within_bias_noise(pairs, ours, twin):
+    """Each BatchNormalization's `moving_mean` (of `pairs`, `_biases_before_batchnorm`)
+    within what its bias's noise moves it: each step adds `1 - momentum` of that step's
+    batch mean, which holds the bias, so over `steps` steps the two runs' moving means part by
+    at most `(1 - momentum) * steps` times the largest gap between their biases. The biases'
+    gap is known at the end only; a random walk's largest gap may exceed its last, hence the
+    factor 2. Moments computed otherwise (padding rows counted, E[x^2] - E[x]^2 over
+    replicas) part them by far more: a batch mean 1e-2 off moves it (1 - momentum) * 1e-2."""
+    steps = int(twin.optimizer.iterations)
+    index = {id(v): i for i, v in enumerate(ours.weights)}
+
+    def gap(variable):
+        i = index[id(variable)]
+        a, b = (keras.ops.convert_to_numpy(m.weights[i].value) for m in (ours, twin))
+        return float(np.abs(a - b).max())
+
+    for bias, layer in pairs:
+        bound = 2 * (1 - layer.momentum) * steps * gap(bias) + ATOL
+        assert gap(layer.moving_mean) <= bound, (layer.moving_mean.path, bound)
+
+
+def _close(got, want, what, rtol=RTOL):
     got, want = keras.tree.flatten(got), keras.tree.flatten(want)
     assert len(got) == len(want), what
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(
-            np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL, err_msg=f"{what} [{i}]"
+            np.asarray(a), np.asarray(b), rtol=rtol, atol=ATOL, err_msg=f"{what} [{i}]"
         )
 
 
@@ -147,13 +160,25 @@ def test_keras_io_example_as_plain_keras(name, backend, num_devices):
     keras.utils.set_random_seed(FIT_SEED)
     got = acc.fit(port.model, **port.fit, shuffle=False, verbose=0).history
     assert sorted(got) == sorted(want)
+    pairs = _biases_before_batchnorm(port.model)
     for key in want:
-        _close(got[key], want[key], f"history[{key!r}]")
-    noise = _biases_before_batchnorm(port.model)
+        # Validation runs in inference, where the bias noise reaches the outputs (see
+        # `_biases_before_batchnorm`): plain Keras's val_loss on 8 devices is up to 2.3e-5
+        # (relative) from one device's there (measured as that docstring says).
+        noisy = bool(pairs) and key.startswith("val_")
+        _close(got[key], want[key], f"history[{key!r}]", rtol=5e-5 if noisy else RTOL)
+    noise = {id(v) for bias, layer in pairs for v in (bias, layer.moving_mean)}
+    _within_bias_noise(pairs, port.model, twin.model)
     kept = [i for i, v in enumerate(port.model.weights) if id(v) not in noise]
     _close([port.model.weights[i] for i in kept], [twin.model.weights[i] for i in kept], "weights")
     moved = [np.abs(a - b).max() for a, b in zip(twin.model.get_weights(), initial)]
     assert max(moved) > 0, "nothing trained"
+    # Inference subtracts the moving mean from the bias it followed: their noise reaches
+    # the outputs (plain Keras's too, one device against 8). Given the twin's, everything
+    # else must give its outputs.
+    for ours, theirs in zip(port.model.weights, twin.model.weights):
+        if id(ours) in noise:
+            ours.assign(keras.ops.convert_to_numpy(theirs.value))
     validated = "validation_data" in port.fit or "validation_split" in port.fit
     if port.evaluate is not None and not validated:
         keras.utils.set_random_seed(FIT_SEED)
