@@ -30,6 +30,12 @@ def build():
             keras.Input((5,)),
             keras.layers.Dense(16),
             keras.layers.Dropout(0.5),  # Unseeded: torch's global generator.
+            keras.layers.Reshape((8, 2)),
+            # A conv's output is laid out channels-first in memory (strides (C*L, 1, L)),
+            # which an unseeded Dropout draws its mask in.
+            keras.layers.Conv1D(4, 3, padding="same"),
+            keras.layers.Dropout(0.5),
+            keras.layers.Flatten(),
             keras.layers.Dense(16),
             keras.layers.Dropout(0.3, seed=5),  # Seeded: its own seed generator.
             keras.layers.Dense(3),

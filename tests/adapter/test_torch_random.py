@@ -28,9 +28,9 @@ pytestmark = [
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_random.py")
 ROWS, BATCH = 45, 8
-# One process: the weights and predictions bit for bit, the epoch's loss (averaged over
-# the batches by their real rows) within an ulp. Two processes sum the gradient in another
-# order than one: measured <= 3.5e-7.
+# One process: the weights and predictions, and the epoch's loss (averaged over the
+# batches by their real rows), to rounding (a padded batch's conv gradient sums in another
+# order). Two processes sum the gradient in another order than one: measured <= 3.5e-7.
 ONE_PROCESS, OVER_PROCESSES = 1e-6, 1e-5
 
 _rng = np.random.default_rng(0)
@@ -50,6 +50,12 @@ def _model(scope=None):
                 keras.Input((5,)),
                 keras.layers.Dense(16),
                 keras.layers.Dropout(0.5),  # Unseeded: torch's global generator.
+                keras.layers.Reshape((8, 2)),
+                # A conv's output is laid out channels-first in memory (strides
+                # (C*L, 1, L)), which an unseeded Dropout draws its mask in.
+                keras.layers.Conv1D(4, 3, padding="same"),
+                keras.layers.Dropout(0.5),
+                keras.layers.Flatten(),
                 keras.layers.Dense(16),
                 keras.layers.Dropout(0.3, seed=5),  # Seeded: its own seed generator.
                 keras.layers.Dense(3),
@@ -121,8 +127,11 @@ def test_one_process_draws_plain_keras_masks(plain_arrays):
     every call)."""
     plain, ours = plain_arrays, _accelerated(**ARRAYS)
     _assert_same(plain, ours)
-    for key in ("fit/w0", "fit/w2", "fit/w4", "predict"):
-        np.testing.assert_array_equal(ours[key], plain[key], err_msg=key)
+    # To rounding, not bit for bit: the conv's kernel gradient over the last batch's 8
+    # padded rows sums in another order than over its 5 (a mask drawn otherwise, as in a
+    # contiguous copy of the conv's channels-first output, leaves them 1e-2 apart).
+    for key in ("fit/w0", "fit/w2", "fit/w4", "fit/w6", "predict"):
+        np.testing.assert_allclose(ours[key], plain[key], rtol=0, atol=ONE_PROCESS, err_msg=key)
     assert np.abs(plain["fit/w0"] - _model().get_weights()[0]).max() > 1e-2  # It trained.
 
 

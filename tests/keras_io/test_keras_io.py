@@ -50,10 +50,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "replica, where one device draws the whole batch's: kl_loss 0.4% off"
     ),
     ("structured_data/collaborative_filtering_movielens", "tensorflow"): _BATCH_COUPLED,
-    ("timeseries/timeseries_anomaly_detection", "torch"): (
-        "#59 item 6: the loss 1e-4 off (relative) with the fix of torch's Dropout masks in: "
-        "Dropout on 3-D activations (rows, steps, channels), the last batch 10 real rows of 16"
-    ),
 }
 SKIP: dict[tuple[str, str], str] = {
     ("vision/oxford_pets_image_segmentation", "torch"): (

@@ -185,15 +185,29 @@ class GlobalRowDraws:
             if world == 1 and real == rows:
                 return original(inputs, training=training)
             # Zeros where the other processes' rows are: the draw depends on the shape
-            # only, and the zeros' outputs are dropped. Concatenated, so the gradient
-            # reaches this process's rows through the layer's own backward.
-            rest = tuple(inputs.shape[1:])
-            before = inputs.new_zeros((rank * rows, *rest))
-            after = inputs.new_zeros(((world - rank - 1) * rows, *rest))
-            whole = torch.cat([before, inputs, after], dim=0)
+            # and the memory layout only, and the zeros' outputs are dropped.
+            whole = inputs if world == 1 else _global_batch(inputs, world, rank)
             outputs = original(whole[:real], training=training)
-            if real < whole.shape[0]:  # Padding rows (weight 0) pass through, undrawn.
-                outputs = torch.cat([outputs, whole[real:]], dim=0)
+            if real < whole.shape[0]:  # Padding rows (weight 0) pass through, undrawn,
+                merged = whole.clone()  # in the input's memory layout (`_global_batch`),
+                merged[:real] = outputs  # which a next random layer draws in.
+                outputs = merged
             return outputs[rank * rows : (rank + 1) * rows]
 
         return call
+
+
+def _global_batch(inputs, world: int, rank: int):
+    """`inputs` (this process's rows) at its offset in a global batch of zeros laid out in
+    memory as `inputs` is: Keras's unseeded Dropout on torch is `torch.nn.functional.
+    dropout`, whose mask is drawn in the input's memory order (`empty_like(input).
+    bernoulli_`), so a conv's channels-first output (strides (C*L, 1, L) for (rows, L, C))
+    draws another mask than a contiguous copy of it. Copied in, so the gradient reaches this
+    process's rows through the layer's own backward."""
+    dims = range(inputs.dim())
+    order = sorted(dims, key=lambda d: (d != 0, -inputs.stride(d)))  # Rows outermost.
+    rows = inputs.shape[0]
+    shape = [world * rows if d == 0 else inputs.shape[d] for d in order]
+    whole = inputs.new_zeros(shape).permute([order.index(d) for d in dims])
+    whole[rank * rows : (rank + 1) * rows] = inputs
+    return whole
