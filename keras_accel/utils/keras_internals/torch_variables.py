@@ -5,7 +5,8 @@ own `value` reads, autocast included) and the torch parameters each layer regist
 `fsdp` on torch (`keras_accel.adapter.backends.torch.fsdp`) makes a variable read its
 tensor from where FSDP2 keeps it (a shard between steps, the gathered weight inside a
 layer's forward pass): its class becomes a subclass whose `_value` is a property, so
-that every Keras path that reads the variable reads that, and is put back after the call.
+that every Keras path that reads the variable reads that, and is put back after the call;
+a whole value assigned to it meanwhile (a restored backup) is cut to this process's shard.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from keras_accel.utils.keras_internals.lookup import require
 # variables; read on the objects themselves (`require`).
 VARIABLE_VALUE = "a torch variable's tensor"
 TORCH_PARAMS = "the torch parameters a layer registers for its variables"
+VARIABLE_ASSIGN = "how a torch variable writes an assigned value into its tensor"
 
 _READERS: dict = {}
 
@@ -26,6 +28,7 @@ _READERS: dict = {}
 def read_value_through(variable, read: Callable) -> None:
     """From now on `variable`'s tensor is `read()` (whatever it returns at each read)."""
     require(variable, "_value", VARIABLE_VALUE)
+    require(variable, "_direct_assign", VARIABLE_ASSIGN)  # A whole value: this shard of it.
     base = type(variable)
     if base not in _READERS:
 
@@ -41,6 +44,9 @@ def read_value_through(variable, read: Callable) -> None:
                     "is set by the strategy, and whole again when the call ends."
                 )
 
+            def _direct_assign(self, value):
+                super()._direct_assign(_as_held(self, value))
+
             def numpy(self):
                 _refuse_a_split_read(self)
                 return super().numpy()
@@ -54,6 +60,20 @@ def read_value_through(variable, read: Callable) -> None:
     variable.__dict__["keras_accel_read"] = read
     variable.__class__ = _READERS[base]
     variable.__dict__.pop("_value", None)
+
+
+def _as_held(variable, value):
+    """`value`, assigned whole to a variable split over the processes (a restore, the
+    mid-epoch resume's replay, a callback's `assign`): this process's shard of it, cut
+    here (the value is the same in every process, so no collective), as a DTensor laid
+    out as the variable's own."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    held = variable.__dict__["keras_accel_read"]()
+    if not isinstance(held, DTensor) or isinstance(value, DTensor):
+        return value
+    value = value.detach().to(held.device)
+    return distribute_tensor(value, held.device_mesh, held.placements, src_data_rank=None)
 
 
 def _refuse_a_split_read(variable) -> None:
