@@ -77,6 +77,15 @@ class RunContext:
             whose state changes at an epoch's end can bring `state_dict()` up to date from
             it (`History` does), so the backup holds that epoch whatever the order.
 
+    Set by the runtime for the call, where each process holds its own share of the
+    metrics' state (torch over processes; None elsewhere):
+
+    Attributes:
+        metric_state: `for_backup(state)` gives `state` (`{key: variable}`) with the
+            metrics' variables as the values one process would hold (every process's
+            share reduced: a collective), `after_restore(state)` gives each process back
+            its share of such values (`keras_accel.callbacks.BackupAndRestore`).
+
     Example:
 
     >>> import keras, numpy as np
@@ -108,6 +117,7 @@ class RunContext:
         self.replay_epoch: int | None = None
         self.replay_batch = 0
         self.epoch_end: tuple[int, dict] | None = None
+        self.metric_state = None
         self._on_exit: Callable[[Callable[[], None]], None] | None = None
 
     @property

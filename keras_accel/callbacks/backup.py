@@ -419,6 +419,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         meta = record.build(
             model, state, epoch, batch, done, steps, rate, states, self._engine_name
         )
+        metric_state = run_context(model).metric_state
+        if metric_state is not None:  # Each process holds its share of the metrics' state.
+            state = metric_state.for_backup(state)
         path = self._backups.save(schedule.step_of(epoch, batch, steps, done), state, meta)
         if process.is_chief():
             # Rate-limited: a forced one (an fsynced write) cost a third of the save.
@@ -474,6 +477,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         epoch, batch = int(meta["epoch"]), int(meta["batch"])
         tree.set_rng_state(meta["rng"])
         _callback_states.load(meta, self._stateful())
+        metric_state = run_context(model).metric_state
+        if metric_state is not None:  # The metrics' state of one process: each its share.
+            metric_state.after_restore(restored)
         self._resume.restored(model, meta, restored)
         self._schedule.resume(meta["steps_done"], epoch, batch)
         self._current_epoch, self._last_batch_seen = epoch, max(batch - 1, 0)

@@ -116,6 +116,10 @@ class Engine:
             concurrent.futures.wait([pending[1]])
 
     def save(self, step: int, variables: dict, meta: dict) -> None:
+        """`variables`: `{key: keras.Variable, or a tensor made for the backup}` (the
+        metrics' state over the processes, `RunContext.metric_state`). A variable split
+        over the processes (`strategy="fsdp"`) holds a DTensor: DCP writes each process's
+        shard into its own file, nothing gathered."""
         self.wait()  # One save in flight at a time; the previous one is committed first.
         # And one in the process: the engines of one process share their group, whose
         # collectives must come in the same order everywhere (another engine's error stays
@@ -347,6 +351,8 @@ def _unwrapped():
 
 
 def _tensor(variable) -> torch.Tensor:
+    if isinstance(variable, torch.Tensor):  # A value made for the backup (`save`).
+        return variable.detach()
     value = variable.value
     if not isinstance(value, torch.Tensor):  # pragma: no cover - a Keras change
         value = torch.as_tensor(variable.numpy())

@@ -48,6 +48,7 @@ from keras_accel.adapter.backends.torch.process_group import agree_all, agree_ma
 from keras_accel.adapter.backends.torch.rows import GatheredMetrics, GlobalRowDraws
 from keras_accel.adapter.backends.torch.runtime import Runtime
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.protocol import run_context
 from keras_accel.adapter.steps import install_global_results
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.utils import keras_internals
@@ -140,6 +141,9 @@ class DataParallelRuntime(Runtime):
         local = self._local
         reduced = metrics.reduced_once(model, result, local)
         patches.set(model, "get_metrics_result", _stepping(reduced, None))
+        # A backup holds the metrics' state over every process, not one process's share.
+        state = metrics.MetricState(model, lambda: self._local, self.rank)
+        patches.set(run_context(model), "metric_state", state)
         # A call that ends in an error never reaches its callbacks' ends (`StepLogsRead`).
         patches.add(metrics.LOGS_READ.clear)
 

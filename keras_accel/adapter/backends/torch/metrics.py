@@ -18,6 +18,7 @@ batch's. Here:
 from __future__ import annotations
 
 import functools
+import weakref
 
 import keras
 
@@ -110,6 +111,43 @@ def reduced_values(variables, local=frozenset()) -> list:
             if getattr(variables[i], "aggregation", "sum") == "mean":
                 values[i] = values[i] / dist.get_world_size()
     return values
+
+
+class MetricState:
+    """The metrics' state of `model` in a backup (`RunContext.metric_state`): each process
+    holds its own share (Keras's metrics' sums over its rows), which a backup must not
+    take from one process. Backed up: the values over every process, as one process
+    would hold them (`reduced_values`); restored onto any number of processes: the chief
+    holds a summed value, the others zero, so that the processes' states add up to it
+    again; every other value (a mean, the chief's, users' metrics, global already) is
+    held as it is by every process."""
+
+    def __init__(self, model, local, rank: int):
+        """`local()`: the ids of the variables that hold the global state already."""
+        self._model = weakref.ref(model)  # The model's own context holds this.
+        self._local = local
+        self._rank = rank
+
+    def _metrics(self, state: dict) -> list[str]:
+        ids = {id(v) for v in self._model().metrics_variables}
+        return [key for key, variable in state.items() if id(variable) in ids]
+
+    def for_backup(self, state: dict) -> dict:
+        """`state` with the metrics' variables replaced by their values over every process
+        (a collective: every process backs up)."""
+        keys = self._metrics(state)
+        values = reduced_values([state[key] for key in keys], self._local())
+        return {**state, **dict(zip(keys, values))}
+
+    def after_restore(self, state: dict) -> None:
+        """Each process's share of the metrics' values just restored into `state`."""
+        if self._rank == 0:
+            return
+        local = self._local()
+        for key in self._metrics(state):
+            variable = state[key]
+            if id(variable) not in local and getattr(variable, "aggregation", "sum") == "sum":
+                variable.assign(keras.ops.zeros_like(variable.value))
 
 
 def logs_its_own(model) -> bool:
