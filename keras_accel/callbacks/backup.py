@@ -51,7 +51,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       TensorFlow to `tf.train.Checkpoint` with `tf.train.CheckpointManager` (as the first
       seed does), which saves a mirrored variable once and writes `gs://` from a TPU host;
       on torch to `torch.distributed.checkpoint` (DCP), which spreads the writes of the
-      replicated state over the processes and restores onto any number of processes.
+      replicated state over the processes (under `strategy="fsdp"` each process writes
+      its own shards) and restores onto any number of processes.
       All save in the background by default: training goes on while the data is written,
       and the callback waits for the last save at the end of `fit` and before a restore.
     - **keyed by variable path**: state is saved and restored by Keras's variable paths, not

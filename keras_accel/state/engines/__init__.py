@@ -11,7 +11,8 @@
   the strategy; tf.train is TensorFlow's own engine.
 - torch: `torch.distributed.checkpoint` (DCP), what the torch field uses (torchtitan,
   Lightning's `ModelParallelStrategy`): every process hands it the whole (replicated) state
-  and DCP spreads the writes over the processes, one key per writer; `.metadata`, written
+  and DCP spreads the writes over the processes, one key per writer (under torch's `fsdp`
+  each process writes its own shards of the split variables, `DTensor`s); `.metadata`, written
   last, commits; `dcp.async_save` writes in a thread with collectives on a gloo group that is
   not training's; each process restores by reading every value it needs itself, so a
   checkpoint restores onto any number of processes (torch_dcp.py says more).

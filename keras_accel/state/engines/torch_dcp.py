@@ -8,7 +8,9 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
   variable replicated). DCP's planner finds the same keys in every process's plan and keeps
   each key in one plan only, the one with the fewest bytes so far (`dedup_save_plans`): the
   writes are spread over the processes, each writing its `__<rank>_0.distcp`, not all done
-  by one. The chief (DCP's coordinator, rank 0) writes `meta.json` before the save and
+  by one. Under `strategy="fsdp"` the split variables hold `DTensor`s, and each process
+  writes its own shards (DCP's native format for them; nothing gathered). The chief (DCP's
+  coordinator, rank 0) writes `meta.json` before the save and
   `.metadata`, DCP's index of where each key lies, after every process has written its
   share. The directory must therefore be one that every process sees (a shared file system
   or a bucket), as Orbax's must.

@@ -14,7 +14,10 @@ the shards in place, its slots sharded alike.
 
 The model is sharded at the call's first step (after Keras built it and its optimizer,
 and `SameStart` gave every process the chief's values) and made whole again when the call
-ends: between calls the user's model is plain Keras (`get_weights`, `save`).
+ends: between calls the user's model is plain Keras (`get_weights`, `save`). A backup taken
+during the call (`BackupAndRestore`) writes each process's shards through DCP; a whole
+value assigned to a split variable meanwhile (a mid-epoch resume's replay) is cut to this
+process's shard (`keras_internals.read_value_through`).
 """
 
 from __future__ import annotations
