@@ -58,7 +58,8 @@ class Accelerator:
         layout_map: a `keras.distribution.LayoutMap` for "model_parallel" or "fsdp" (JAX),
             or a keras-hub model class whose backbone ships one (e.g.
             `keras_hub.models.GemmaCausalLM`); by default Dense kernels are sharded over
-            the "model" axis (where it has more than one device).
+            the "model" axis (where it has more than one device). On torch
+            "model_parallel" needs a `LayoutMap`: its "model" axis spans the processes.
         remainder: what training does with the last, partial batch: "pad" (padded with
             zero-weight rows, exact) or "drop" (skipped; a new shuffle each epoch). The
             default, None, pads, except where the model's code cannot be told which rows

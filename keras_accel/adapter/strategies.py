@@ -259,7 +259,8 @@ STRATEGIES.register(
 )
 STRATEGIES.register(
     "model_parallel",
-    "JAX only: a (batch, model) device mesh with a LayoutMap",
+    "variables laid out by a LayoutMap over a model axis (JAX: a (batch, model) device "
+    "mesh; torch: over processes, FSDP2)",
     mesh="data_model",
 )
 STRATEGIES.register(
@@ -287,7 +288,7 @@ for _name, _on in {
     "single": _EVERY_BACKEND,
     "data_parallel": _EVERY_BACKEND,
     "mirrored": ("jax", "tensorflow"),
-    "model_parallel": ("jax",),
+    "model_parallel": ("jax", "torch"),
     "fsdp": ("jax", "torch"),
     "tpu": ("jax", "tensorflow"),
     "multi_worker": ("jax", "tensorflow"),

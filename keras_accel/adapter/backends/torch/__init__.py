@@ -7,6 +7,8 @@
   process's rows of every batch, one averaged gradient, exact metrics and draws);
 - `fsdp`: the `fsdp` strategy, data parallelism whose variables and optimizer slots each
   process holds a shard of (FSDP2, DTensor);
+- `model_parallel`: the `model_parallel` strategy, a `LayoutMap`'s variables split over
+  the processes (FSDP2, DTensor), each process running the whole batch;
 - `collectives`: gradients averaged in buckets during the backward pass, variables
   broadcast, rows gathered;
 - `metrics`: Keras's metrics' state reduced over the processes, once per read;
@@ -23,7 +25,7 @@ from __future__ import annotations
 import keras
 
 # Each strategy's module registers its builder and runtime class when imported.
-from keras_accel.adapter.backends.torch import data_parallel, fsdp  # noqa: F401
+from keras_accel.adapter.backends.torch import data_parallel, fsdp, model_parallel  # noqa: F401
 from keras_accel.adapter.backends.torch.process_group import (
     agree_all,
     agree_max,
@@ -51,7 +53,7 @@ __all__ = [
 
 def build(plan: Plan, layout_map=None) -> Runtime:
     native = STRATEGIES.build(plan, "torch", layout_map)
-    if plan.num_replicas == 1:  # One process: nothing to make one training of.
+    if plan.num_replicas * plan.mesh_shape[1] == 1:  # One process: nothing to make one of.
         return Runtime(plan, native)
     # A strategy of a user's own (a builder only) runs over the process group as data
     # parallelism does.

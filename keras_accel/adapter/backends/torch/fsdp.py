@@ -71,36 +71,52 @@ class FullyShardedRuntime(DataParallelRuntime):
     def install_gradients(self, patches: Patches, model, optimizer) -> None:
         # FSDP2 reduce-scatters the sharded variables' gradients in the backward pass;
         # `ShardedModel.applying` averages the whole ones.
-        sharded = _sharded(model, self.native)
+        sharded = sharded_model(model, self.native, self.split_dim)
         patches.set(optimizer, "apply", sharded.applying(optimizer.apply))
 
     def install_outer(self, patches: Patches, model) -> None:
         super().install_outer(patches, model)
-        sharded = _sharded(model, self.native)
-        for kind in ("train", "test", "predict"):
-            patches.set(
-                model, f"{kind}_step", sharded.first_sharding(getattr(model, f"{kind}_step"))
-            )
-        patches.add(sharded.unshard)
+        install_sharding(patches, sharded_model(model, self.native, self.split_dim))
+
+    def split_dim(self, variable) -> int | None:
+        return _split_dim(variable, self.native.size())
+
+
+def install_sharding(patches: Patches, sharded: ShardedModel) -> None:
+    """The model sharded at the first step of the call, whole again when it ends."""
+    model = sharded.model_ref()
+    for kind in ("train", "test", "predict"):
+        patches.set(model, f"{kind}_step", sharded.first_sharding(getattr(model, f"{kind}_step")))
+    patches.add(sharded.unshard)
 
 
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _sharded(model, mesh) -> ShardedModel:
-    if model not in _SHARDED:
-        _SHARDED[model] = ShardedModel(model, mesh)
-    return _SHARDED[model]
+def sharded_model(model, mesh, split_dim, average: bool = True) -> ShardedModel:
+    """The model's `ShardedModel` on `mesh` (one per model and mesh)."""
+    held = _SHARDED.get(model)
+    if held is None or held.mesh is not mesh:
+        held = _SHARDED[model] = ShardedModel(model, mesh, split_dim, average)
+    held.split_dim, held.average = split_dim, average
+    return held
 
 
 class ShardedModel:
     """One model's shards: made at the first step of a call (`first_sharding`), whole again
-    at its end (`unshard`), and the optimizer's `apply` on them (`applying`)."""
+    at its end (`unshard`), and the optimizer's `apply` on them (`applying`).
 
-    def __init__(self, model, mesh):
+    `split_dim(variable)`: the dimension a variable is split on over the mesh (None: kept
+    whole). `average`: the whole variables' gradients averaged over the processes (data
+    parallelism), else the same in every process already (model parallelism).
+    """
+
+    def __init__(self, model, mesh, split_dim, average: bool = True):
         self.model_ref = weakref.ref(model)
         self.mesh = mesh
         self.size = mesh.size()
+        self.split_dim = split_dim
+        self.average = average
         # While sharded: what `unshard` puts back (None: whole).
         self.state: dict | None = None
         self.applying_now = False
@@ -124,7 +140,9 @@ class ShardedModel:
             grads = list(grads)
             split = bool(self.state and self.state["sharded_params"])
             whole = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, DTensor)]
-            averaged = average_gradients([grads[i] for i in whole])
+            averaged = [grads[i] for i in whole]
+            if self.average:
+                averaged = average_gradients(averaged)
             for i, g in zip(whole, averaged, strict=True):
                 grads[i] = (
                     DTensor.from_local(g, self.mesh, [Replicate()], run_check=False) if split else g
@@ -152,7 +170,7 @@ class ShardedModel:
         model = self.model_ref()
         split, whole = {}, []
         for variable in model.weights:
-            dim = _split_dim(variable, self.size)
+            dim = self.split_dim(variable)
             if dim is None or not variable.trainable:
                 whole.append(variable)
             else:

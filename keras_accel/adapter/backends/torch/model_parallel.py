@@ -1,0 +1,110 @@
+"""The `model_parallel` strategy on torch: a `keras.distribution.LayoutMap` splits variables
+over the processes (a one-axis mesh, "model"), as `DTensor`s that FSDP2 gathers per layer;
+its builder and its runtime.
+
+The layout rule is JAX's: a variable whose path a `LayoutMap` entry matches is split on the
+dimension that entry names "model" (`keras.distribution.LayoutMap`: exact path, else the one
+regex that matches it whole); one that no entry matches, or whose dimension the process
+count does not divide, stays whole, and so does every non-trainable one (see
+`keras_accel.adapter.backends.torch.fsdp`). Each optimizer slot is split as its variable.
+
+Every process runs the whole of every batch, as one process does (the mesh has no data
+axis: `mesh_shape=(1, N)`): FSDP2 gathers a layer's weights for its forward and backward
+passes and frees them after, so each process holds 1/N of what the map splits between
+steps; each process's gradients are those of the whole batch, the same in every process,
+and FSDP2's reduce-scatter hands each its shard of them. The computation itself is not
+split (no tensor parallelism): what it divides is the state held between steps.
+
+The model is sharded at the call's first step and whole again when the call ends, as under
+`fsdp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_accel.adapter.backends.torch import process_group
+from keras_accel.adapter.backends.torch.data_parallel import SameStart
+from keras_accel.adapter.backends.torch.fsdp import install_sharding, sharded_model
+from keras_accel.adapter.backends.torch.rows import GlobalRowDraws
+from keras_accel.adapter.backends.torch.runtime import Runtime
+from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.strategies import STRATEGIES, Plan
+
+AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelMesh:
+    """What the builder makes: the processes' one-axis `DeviceMesh` ("model") and the
+    user's `LayoutMap`."""
+
+    mesh: object
+    layout_map: object
+
+    def split_dim(self, variable) -> int | None:
+        """The dimension the map splits `variable` on over the mesh (None: kept whole)."""
+        layout = self.layout_map[variable.path]
+        if layout is None:
+            return None
+        axes = tuple(getattr(layout, "axes", layout))
+        size = self.mesh.size()
+        shape = tuple(variable.shape)
+        dims = [d for d, axis in enumerate(axes) if axis == AXIS]
+        if len(dims) != 1 or len(axes) != len(shape) or shape[dims[0]] % size:
+            return None
+        return dims[0]
+
+
+@STRATEGIES.builder("model_parallel", "torch", default=True)
+def _model_parallel(plan: Plan, layout_map):
+    """A one-axis `DeviceMesh` of the processes ("model"), with the user's `LayoutMap`."""
+    import keras
+
+    size = process_group.world()
+    if not isinstance(layout_map, keras.distribution.LayoutMap):
+        raise ValueError(
+            "On torch strategy='model_parallel' splits the variables a "
+            "keras.distribution.LayoutMap names over the processes (its 'model' axis). "
+            f"Received: layout_map={layout_map!r}. Pass Accelerator(strategy="
+            "'model_parallel', layout_map=layout_map), its entries naming 'model' on the "
+            "dimension to split, or use strategy='fsdp' to split every variable."
+        )
+    if tuple(plan.mesh_shape) != (1, size):
+        raise ValueError(
+            f"On torch strategy='model_parallel' runs one model axis over the {size} "
+            f"process{'es' if size > 1 else ''}: mesh_shape=(1, {size}). Received: "
+            f"mesh_shape={tuple(plan.mesh_shape)}. Leave mesh_shape unset, or start one "
+            "process per model shard (`keras-accel launch -n N`)."
+        )
+    if size == 1:
+        return None
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ModelMesh(init_device_mesh(device, (size,), mesh_dim_names=(AXIS,)), layout_map)
+
+
+@STRATEGIES.runtime("model_parallel", "torch", default=True)
+class ModelParallelRuntime(Runtime):
+    """Every process runs the whole batch on weights it holds a shard of between steps
+    (see the module docstring)."""
+
+    def install_steps(self, patches: Patches, model, training: bool) -> None:
+        sharded = sharded_model(model, self.native.mesh, self.native.split_dim, average=False)
+        if training:
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None:
+                patches.set(optimizer, "apply", sharded.applying(optimizer.apply))
+            GlobalRowDraws(1, 0).install(patches, model)
+        # FSDP2's gathers run in its module hooks, outside a compiled step of ours.
+
+    def install_outer(self, patches: Patches, model) -> None:
+        super().install_outer(patches, model)
+        install_sharding(
+            patches, sharded_model(model, self.native.mesh, self.native.split_dim, average=False)
+        )
+
+    def callbacks(self) -> list:
+        return [SameStart()]  # Every process starts from the chief's variables.

@@ -1,0 +1,83 @@
+"""One process of a torch model_parallel run over `keras-accel launch -n 2`. Usage:
+python _torch_model_parallel.py OUT
+
+37 rows in batches of 8 (the last padded), Dense -> BatchNormalization -> Dropout -> Dense,
+Adam; a `keras.distribution.LayoutMap` splits the first kernel's columns and the second
+kernel's rows over the "model" axis (the processes), and names a bias whose dimension the
+process count does not divide (kept whole). Trained 2 epochs with validation, evaluated,
+asked for every prediction: first under strategy="single" (each process alone, the
+one-process reference), then under "model_parallel". A callback records, at each batch's
+end, the local shape of every variable and optimizer slot this process holds. Every
+process writes what it saw to OUT-<process>.npz.
+"""
+
+import sys
+
+import keras
+import numpy as np
+
+from keras_accel import Accelerator
+
+OUT = sys.argv[1]
+
+
+class HeldShapes(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.shapes = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        from torch.distributed.tensor import DTensor
+
+        for v in [*self.model.weights, *self.model.optimizer.variables]:
+            value = v.value
+            local = value.to_local() if isinstance(value, DTensor) else value
+            self.shapes[v.path] = tuple(local.shape)
+
+
+def run(strategy, layout_map=None):
+    """Fit, evaluate and predict under `strategy`: what this process saw."""
+    acc = Accelerator(strategy=strategy, seed=0, layout_map=layout_map)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 6)).astype("float32")
+    y = rng.normal(size=(37, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    with acc.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="relu", name="first"),
+                keras.layers.BatchNormalization(name="norm"),
+                keras.layers.Dropout(0.3, seed=5),
+                keras.layers.Dense(3, name="last"),
+            ],
+            name="net",
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01, name="adam"), loss="mse", metrics=["mae"]
+        )
+    held = HeldShapes()
+    history = acc.fit(
+        model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[held],
+        validation_data=(x[:13], y[:13]),
+    )  # fmt: skip
+    out = {f"history/{k}": np.asarray(v) for k, v in history.history.items()}
+    for v in [*model.weights, *model.optimizer.variables]:
+        out[f"var/{v.path}"] = np.asarray(v.numpy())
+    out["evaluate"] = np.asarray(acc.evaluate(model, x, y, batch_size=8, verbose=0))
+    out["predict"] = acc.predict(model, x, batch_size=8, verbose=0)
+    for path, shape in held.shapes.items():
+        out[f"held/{path}"] = np.asarray(shape)
+    out["class"] = np.asarray(type(model.weights[0]).__name__)
+    return acc, out
+
+
+mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map["net/first/kernel"] = (None, "model")  # (6, 8): columns over the processes.
+layout_map["net/last/kernel"] = ("model", None)  # (8, 3): rows over the processes.
+layout_map["net/last/bias"] = ("model",)  # (3,): 2 does not divide it: kept whole.
+_, one = run("single")  # Each process alone, as one process runs it.
+acc, ours = run("model_parallel", layout_map)
+out = {**{f"one/{k}": v for k, v in one.items()}, **{f"ours/{k}": v for k, v in ours.items()}}
+np.savez(f"{OUT}-{acc.process_index}.npz", **out)

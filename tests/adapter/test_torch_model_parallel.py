@@ -1,0 +1,78 @@
+"""`strategy="model_parallel"` on torch: 2 processes (`keras-accel launch -n 2`), a
+`keras.distribution.LayoutMap` splitting two kernels over the processes ("model"), each
+process running the whole batch: fit (Adam, BatchNormalization, Dropout, validation on 37
+rows in batches of 8, the last padded), evaluate and predict equal each process alone
+(strategy="single") bit for bit, each process holding half of what the map splits
+(tests/adapter/_torch_model_parallel.py)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_accel import Accelerator
+from tests.conftest import BACKEND
+
+pytestmark = pytest.mark.torch
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_model_parallel.py")
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory):
+    if BACKEND != "torch":
+        pytest.skip("torch's processes")
+    out = tmp_path_factory.mktemp("torch-model-parallel") / "two"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("KERAS_ACCEL_TEST_DEVICES", None)
+    command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2", SCRIPT]
+    run = subprocess.run(
+        [*command, str(out)], env=env, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [dict(np.load(f"{out}-{index}.npz")) for index in (0, 1)]
+
+
+def test_two_model_parallel_processes_train_evaluate_and_predict_as_one(processes):
+    for saved in processes:
+        keys = [k[len("one/") :] for k in saved if k.startswith("one/") and "/held/" not in k]
+        keys = [k for k in keys if not k.startswith("held/") and k != "class"]
+        assert {"history/loss", "history/val_mae", "evaluate", "predict"} <= set(keys)
+        assert any(k.startswith("var/adam/") for k in keys)
+        assert saved["ours/predict"].shape == (37, 3)  # Every row, in order.
+        for key in keys:
+            np.testing.assert_array_equal(saved[f"ours/{key}"], saved[f"one/{key}"], err_msg=key)
+    losses = processes[0]["one/history/loss"]
+    assert abs(losses[0] - losses[1]) > 1e-3  # It trained.
+
+
+def test_each_process_holds_half_of_what_the_layout_map_splits(processes):
+    saved = processes[0]
+    held = {k[len("ours/held/") :]: tuple(saved[k]) for k in saved if k.startswith("ours/held/")}
+    whole = {k[len("one/held/") :]: tuple(saved[k]) for k in saved if k.startswith("one/held/")}
+    assert held.keys() == whole.keys()
+    split = {
+        "net/first/kernel": (6, 4),  # (None, "model"): its columns.
+        "net/last/kernel": (4, 3),  # ("model", None): its rows.
+        "adam/net_first_kernel_momentum": (6, 4),  # A slot as its variable.
+        "adam/net_first_kernel_velocity": (6, 4),
+        "adam/net_last_kernel_momentum": (4, 3),
+        "adam/net_last_kernel_velocity": (4, 3),
+    }
+    for path, shape in whole.items():
+        # What the map names not, and its (3,) bias that 2 does not divide: whole.
+        assert held[path] == split.get(path, shape), path
+    for path in held:
+        assert tuple(processes[1][f"ours/held/{path}"]) == held[path]
+    assert str(saved["ours/class"]) == "Variable"  # Keras's own variables after the call.
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's builder")
+def test_model_parallel_on_torch_asks_for_a_layout_map():
+    with pytest.raises(
+        ValueError, match=r"LayoutMap names over the processes .*Received: layout_map=None"
+    ):
+        Accelerator(strategy="model_parallel")
