@@ -7,8 +7,9 @@ kernel's rows over the "model" axis (the processes), and names a bias whose dime
 process count does not divide (kept whole). Trained 2 epochs with validation, evaluated,
 asked for every prediction: first under strategy="single" (each process alone, the
 one-process reference), then under "model_parallel". A callback records, at each batch's
-end, the local shape of every variable and optimizer slot this process holds. Every
-process writes what it saw to OUT-<process>.npz.
+end, the local shape of every variable and optimizer slot this process holds. Then a map
+with an entry that matches no variable. Every process writes what it saw to
+OUT-<process>.npz.
 """
 
 import sys
@@ -80,4 +81,12 @@ layout_map["net/last/bias"] = ("model",)  # (3,): 2 does not divide it: kept who
 _, one = run("single")  # Each process alone, as one process runs it.
 acc, ours = run("model_parallel", layout_map)
 out = {**{f"one/{k}": v for k, v in one.items()}, **{f"ours/{k}": v for k, v in ours.items()}}
+# An entry that matches no variable (a typo, a renamed layer): refused before anything is split.
+typo = keras.distribution.LayoutMap(mesh)
+typo["net/frist/kernel"] = (None, "model")
+try:
+    run("model_parallel", typo)
+    out["typo"] = np.asarray("trained")
+except ValueError as error:
+    out["typo"] = np.asarray(str(error))
 np.savez(f"{OUT}-{acc.process_index}.npz", **out)

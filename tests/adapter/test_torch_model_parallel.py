@@ -2,7 +2,8 @@
 `keras.distribution.LayoutMap` splitting two kernels over the processes ("model"), each
 process running the whole batch: fit (Adam, BatchNormalization, Dropout, validation on 37
 rows in batches of 8, the last padded), evaluate and predict equal each process alone
-(strategy="single") bit for bit, each process holding half of what the map splits
+(strategy="single") bit for bit, each process holding half of what the map splits; what
+it names but cannot split is said, an entry that matches no variable refused
 (tests/adapter/_torch_model_parallel.py)."""
 
 import os
@@ -33,10 +34,11 @@ def processes(tmp_path_factory):
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [dict(np.load(f"{out}-{index}.npz")) for index in (0, 1)]
+    return [dict(np.load(f"{out}-{index}.npz")) for index in (0, 1)], run.stdout + run.stderr
 
 
 def test_two_model_parallel_processes_train_evaluate_and_predict_as_one(processes):
+    processes, _ = processes
     for saved in processes:
         keys = [k[len("one/") :] for k in saved if k.startswith("one/") and "/held/" not in k]
         keys = [k for k in keys if not k.startswith("held/") and k != "class"]
@@ -50,6 +52,7 @@ def test_two_model_parallel_processes_train_evaluate_and_predict_as_one(processe
 
 
 def test_each_process_holds_half_of_what_the_layout_map_splits(processes):
+    processes, output = processes
     saved = processes[0]
     held = {k[len("ours/held/") :]: tuple(saved[k]) for k in saved if k.startswith("ours/held/")}
     whole = {k[len("one/held/") :]: tuple(saved[k]) for k in saved if k.startswith("one/held/")}
@@ -68,6 +71,17 @@ def test_each_process_holds_half_of_what_the_layout_map_splits(processes):
     for path in held:
         assert tuple(processes[1][f"ours/held/{path}"]) == held[path]
     assert str(saved["ours/class"]) == "Variable"  # Keras's own variables after the call.
+    # The one the map names but 2 does not divide: said once, by the chief.
+    note = "model_parallel keeps 1 weight(s) its LayoutMap names whole"
+    assert output.count(note) == 1 and "net/last/bias (3,)." in output, output[-3000:]
+
+
+def test_a_layout_map_entry_that_matches_no_variable_is_named(processes):
+    processes, _ = processes
+    for saved in processes:
+        message = str(saved["typo"])
+        assert "the LayoutMap's entries ['net/frist/kernel'] match no variable" in message
+        assert "Its variables: net/first/kernel, net/first/bias" in message
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's builder")

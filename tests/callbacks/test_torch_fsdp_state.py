@@ -34,19 +34,20 @@ def _run(*command):
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("torch-fsdp-state")
     _run(SCRIPT, str(work), "one")
-    _run("-m", "keras_accel.cli.main", "launch", "-n", "2", SCRIPT, str(work), "two")
+    output = _run("-m", "keras_accel.cli.main", "launch", "-n", "2", SCRIPT, str(work), "two")
     _run(SCRIPT, str(work), "back")
     saved = {}
     for name in ("one-0", "two-0", "two-1", "back-0"):
         with np.load(work / f"{name}.npz") as f:
             saved[name] = dict(f)
-    return work, saved
+    return work, saved, output
 
 
 def _run_of(saved: dict, prefix: str) -> dict:
@@ -69,7 +70,7 @@ def test_each_process_writes_its_own_shards_through_dcp(runs, tmp_path):
 
     from keras_accel.state import checksums
 
-    work, _ = runs
+    work, _, output = runs
     path = work / "two.kept" / BACKUP
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     chunks = {
@@ -107,6 +108,9 @@ def test_each_process_writes_its_own_shards_through_dcp(runs, tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(checksums.Damaged, match="__1_0.distcp"):
         checksums.verify(str(damaged))
+    # The weight that stays whole (no dimension 2 divides) is said, by the chief, once a fit.
+    note = "fsdp keeps 1 weight(s) whole in every process, no dimension being a multiple of"
+    assert output.count(note) == 4 and "sequential/dense_1/bias (3,)." in output, output[-3000:]
 
 
 def test_a_stopped_fsdp_fit_resumes_exactly(runs):
@@ -114,7 +118,7 @@ def test_a_stopped_fsdp_fit_resumes_exactly(runs):
     batch runs again, then the backup's state is assigned to the shards): the weights and
     optimizer slots bit for bit, the epoch's metrics (each process's share of their state
     restored) within float rounding."""
-    _, saved = runs
+    _, saved, _ = runs
     for process in ("two-0", "two-1"):
         resumed = _run_of(saved[process], "two/resumed")
         straight = _run_of(saved[process], "two/straight")
@@ -136,6 +140,6 @@ def test_a_stopped_fsdp_fit_resumes_exactly(runs):
     ids=["2-to-1-fsdp", "2-to-1-data_parallel", "1-to-2-fsdp", "1-to-2-second", "2-to-2-dp"],
 )
 def test_a_backup_restores_onto_another_process_count(runs, run, uninterrupted):
-    _, saved = runs
+    _, saved, _ = runs
     (process, prefix), (other, reference) = run.split(":"), uninterrupted.split(":")
     _assert_same_run(_run_of(saved[process], prefix), _run_of(saved[other], reference), TOLERANCE)

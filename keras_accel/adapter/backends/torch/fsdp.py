@@ -31,6 +31,7 @@ from keras_accel.adapter.backends.torch.data_parallel import DataParallelRuntime
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.utils import keras_internals, library_internals
+from keras_accel.utils.printing import print_msg
 
 
 @STRATEGIES.builder("fsdp", "torch", default=True)
@@ -71,15 +72,29 @@ class FullyShardedRuntime(DataParallelRuntime):
     def install_gradients(self, patches: Patches, model, optimizer) -> None:
         # FSDP2 reduce-scatters the sharded variables' gradients in the backward pass;
         # `ShardedModel.applying` averages the whole ones.
-        sharded = sharded_model(model, self.native, self.split_dim)
+        sharded = sharded_model(model, self.native, self.split_dim, check=self.check)
         patches.set(optimizer, "apply", sharded.applying(optimizer.apply))
 
     def install_outer(self, patches: Patches, model) -> None:
         super().install_outer(patches, model)
-        install_sharding(patches, sharded_model(model, self.native, self.split_dim))
+        install_sharding(
+            patches, sharded_model(model, self.native, self.split_dim, check=self.check)
+        )
 
     def split_dim(self, variable) -> int | None:
         return _split_dim(variable, self.native.size())
+
+    def check(self, model) -> None:
+        """Say once per model which weights stay whole (each costs its full size in every
+        process): no dimension the process count divides."""
+        size = self.native.size()
+        whole = [v for v in model.weights if v.trainable and _split_dim(v, size) is None]
+        note_whole(
+            model,
+            whole,
+            f"fsdp keeps {{count}} weight(s) whole in every process, no dimension being a "
+            f"multiple of the process count ({size})",
+        )
 
 
 def install_sharding(patches: Patches, sharded: ShardedModel) -> None:
@@ -93,13 +108,27 @@ def install_sharding(patches: Patches, sharded: ShardedModel) -> None:
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def sharded_model(model, mesh, split_dim, average: bool = True) -> ShardedModel:
+def sharded_model(model, mesh, split_dim, average: bool = True, check=None) -> ShardedModel:
     """The model's `ShardedModel` on `mesh` (one per model and mesh)."""
     held = _SHARDED.get(model)
     if held is None or held.mesh is not mesh:
         held = _SHARDED[model] = ShardedModel(model, mesh, split_dim, average)
-    held.split_dim, held.average = split_dim, average
+    held.split_dim, held.average, held.check = split_dim, average, check
     return held
+
+
+_NOTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def note_whole(model, whole: list, what: str) -> None:
+    """Say once per model, from the chief, which of its weights (`whole`) a sharding
+    strategy keeps whole: `what` with "{count}" for their number, then their names."""
+    if not whole or model in _NOTED or process_group.rank() != 0:
+        return
+    _NOTED.add(model)
+    shown = ", ".join(f"{v.path} {tuple(v.shape)}" for v in whole[:5])
+    more = f" and {len(whole) - 5} more" if len(whole) > 5 else ""
+    print_msg(f"keras_accel: {what.format(count=len(whole))}: {shown}{more}.")
 
 
 class ShardedModel:
@@ -108,7 +137,9 @@ class ShardedModel:
 
     `split_dim(variable)`: the dimension a variable is split on over the mesh (None: kept
     whole). `average`: the whole variables' gradients averaged over the processes (data
-    parallelism), else the same in every process already (model parallelism).
+    parallelism), else the same in every process already (model parallelism). `check`:
+    called with the model, built, before it is sharded (a note, or an error that stops the
+    call with nothing sharded).
     """
 
     def __init__(self, model, mesh, split_dim, average: bool = True):
@@ -117,6 +148,7 @@ class ShardedModel:
         self.size = mesh.size()
         self.split_dim = split_dim
         self.average = average
+        self.check = None
         # While sharded: what `unshard` puts back (None: whole).
         self.state: dict | None = None
         self.applying_now = False
@@ -168,6 +200,8 @@ class ShardedModel:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         model = self.model_ref()
+        if self.check is not None:
+            self.check(model)
         split, whole = {}, []
         for variable in model.weights:
             dim = self.split_dim(variable)

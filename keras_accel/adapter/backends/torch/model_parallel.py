@@ -5,8 +5,9 @@ its builder and its runtime.
 The layout rule is JAX's: a variable whose path a `LayoutMap` entry matches is split on the
 dimension that entry names "model" (`keras.distribution.LayoutMap`: exact path, else the one
 regex that matches it whole); one that no entry matches, or whose dimension the process
-count does not divide, stays whole, and so does every non-trainable one (see
+count does not divide (said once), stays whole, and so does every non-trainable one (see
 `keras_accel.adapter.backends.torch.fsdp`). Each optimizer slot is split as its variable.
+An entry that matches no variable of the model is an error naming it.
 
 Every process runs the whole of every batch, as one process does (the mesh has no data
 axis: `mesh_shape=(1, N)`): FSDP2 gathers a layer's weights for its forward and backward
@@ -22,10 +23,11 @@ The model is sharded at the call's first step and whole again when the call ends
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from keras_accel.adapter.backends.torch import process_group
 from keras_accel.adapter.backends.torch.data_parallel import SameStart
-from keras_accel.adapter.backends.torch.fsdp import install_sharding, sharded_model
+from keras_accel.adapter.backends.torch.fsdp import install_sharding, note_whole, sharded_model
 from keras_accel.adapter.backends.torch.rows import GlobalRowDraws
 from keras_accel.adapter.backends.torch.runtime import Runtime
 from keras_accel.adapter.patches import Patches
@@ -44,16 +46,41 @@ class ModelMesh:
 
     def split_dim(self, variable) -> int | None:
         """The dimension the map splits `variable` on over the mesh (None: kept whole)."""
+        dim = self._named_dim(variable)
+        return None if dim is None or variable.shape[dim] % self.mesh.size() else dim
+
+    def _named_dim(self, variable) -> int | None:
+        """The dimension the map names "model" for `variable` (None: none)."""
         layout = self.layout_map[variable.path]
-        if layout is None:
-            return None
-        axes = tuple(getattr(layout, "axes", layout))
-        size = self.mesh.size()
-        shape = tuple(variable.shape)
+        axes = tuple(getattr(layout, "axes", None) or ())
         dims = [d for d, axis in enumerate(axes) if axis == AXIS]
-        if len(dims) != 1 or len(axes) != len(shape) or shape[dims[0]] % size:
-            return None
-        return dims[0]
+        return dims[0] if len(dims) == 1 and len(axes) == len(variable.shape) else None
+
+    def check(self, model) -> None:
+        """An entry of the map that matches none of the model's variables is an error
+        naming it (a renamed layer would escape the map, held whole); a variable whose
+        named dimension the process count does not divide is said once, kept whole."""
+        paths = [v.path for v in model.weights]
+        unmatched = [
+            key
+            for key in self.layout_map
+            if not any(key == path or re.fullmatch(key, path) for path in paths)
+        ]
+        if unmatched:
+            shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+            raise ValueError(
+                f"On torch strategy='model_parallel' the LayoutMap's entries {unmatched} "
+                f"match no variable of the model {model.name!r}: what they mean to split would "
+                f"stay whole. Its variables: {shown}. Correct each entry (Keras matches a "
+                "variable's exact path, else a regex that matches the whole path) or remove it."
+            )
+        size = self.mesh.size()
+        note_whole(
+            model,
+            [v for v in model.weights if v.trainable and self.split_dim(v) != self._named_dim(v)],
+            f"model_parallel keeps {{count}} weight(s) its LayoutMap names whole, the "
+            f"dimension named {AXIS!r} not being a multiple of the process count ({size})",
+        )
 
 
 @STRATEGIES.builder("model_parallel", "torch", default=True)
@@ -92,7 +119,7 @@ class ModelParallelRuntime(Runtime):
     (see the module docstring)."""
 
     def install_steps(self, patches: Patches, model, training: bool) -> None:
-        sharded = sharded_model(model, self.native.mesh, self.native.split_dim, average=False)
+        sharded = self._sharded(model)
         if training:
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None:
@@ -102,9 +129,11 @@ class ModelParallelRuntime(Runtime):
 
     def install_outer(self, patches: Patches, model) -> None:
         super().install_outer(patches, model)
-        install_sharding(
-            patches, sharded_model(model, self.native.mesh, self.native.split_dim, average=False)
-        )
+        install_sharding(patches, self._sharded(model))
+
+    def _sharded(self, model):
+        native = self.native
+        return sharded_model(model, native.mesh, native.split_dim, False, native.check)
 
     def callbacks(self) -> list:
         return [SameStart()]  # Every process starts from the chief's variables.
