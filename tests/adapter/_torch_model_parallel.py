@@ -7,17 +7,20 @@ kernel's rows over the "model" axis (the processes), and names a bias whose dime
 process count does not divide (kept whole). Trained 2 epochs with validation, evaluated,
 asked for every prediction: first under strategy="single" (each process alone, the
 one-process reference), then under "model_parallel". A callback records, at each batch's
-end, the local shape of every variable and optimizer slot this process holds. Then a map
+end, the local shape of every variable and optimizer slot this process holds. Then the
+model_parallel fit stopped mid-epoch with BackupAndRestore and run again, resumed; and a map
 with an entry that matches no variable. Every process writes what it saw to
 OUT-<process>.npz.
 """
 
+import os
 import sys
 
 import keras
 import numpy as np
 
 from keras_accel import Accelerator
+from keras_accel.callbacks import BackupAndRestore
 
 OUT = sys.argv[1]
 
@@ -36,7 +39,18 @@ class HeldShapes(keras.callbacks.Callback):
             self.shapes[v.path] = tuple(local.shape)
 
 
-def run(strategy, layout_map=None):
+class StopAt(keras.callbacks.Callback):
+    """Raises at the end of batch 2 of epoch 1 (step 8), after a backup of step 6."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (1, 2):
+            raise RuntimeError("stopped")
+
+
+def run(strategy, layout_map=None, callbacks=()):
     """Fit, evaluate and predict under `strategy`: what this process saw."""
     acc = Accelerator(strategy=strategy, seed=0, layout_map=layout_map)
     rng = np.random.default_rng(0)
@@ -59,7 +73,7 @@ def run(strategy, layout_map=None):
         )
     held = HeldShapes()
     history = acc.fit(
-        model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[held],
+        model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[held, *callbacks],
         validation_data=(x[:13], y[:13]),
     )  # fmt: skip
     out = {f"history/{k}": np.asarray(v) for k, v in history.history.items()}
@@ -81,6 +95,14 @@ layout_map["net/last/bias"] = ("model",)  # (3,): 2 does not divide it: kept who
 _, one = run("single")  # Each process alone, as one process runs it.
 acc, ours = run("model_parallel", layout_map)
 out = {**{f"one/{k}": v for k, v in one.items()}, **{f"ours/{k}": v for k, v in ours.items()}}
+# Stopped mid-epoch with BackupAndRestore, then resumed: each process writes its shards.
+backup = os.path.join(os.path.dirname(OUT), "backup")
+try:
+    run("model_parallel", layout_map, [BackupAndRestore(backup, save_freq=3), StopAt()])
+except RuntimeError as error:
+    assert str(error) == "stopped", error
+_, resumed = run("model_parallel", layout_map, [BackupAndRestore(backup, save_freq=3)])
+out.update({f"resumed/{k}": v for k, v in resumed.items() if not k.startswith("held/")})
 # An entry that matches no variable (a typo, a renamed layer): refused before anything is split.
 typo = keras.distribution.LayoutMap(mesh)
 typo["net/frist/kernel"] = (None, "model")

@@ -71,9 +71,24 @@ def test_each_process_holds_half_of_what_the_layout_map_splits(processes):
     for path in held:
         assert tuple(processes[1][f"ours/held/{path}"]) == held[path]
     assert str(saved["ours/class"]) == "Variable"  # Keras's own variables after the call.
-    # The one the map names but 2 does not divide: said once, by the chief.
+    # The one the map names but 2 does not divide: said by the chief, once per model (3
+    # models: the fit above, the stopped one, the resumed one).
     note = "model_parallel keeps 1 weight(s) its LayoutMap names whole"
-    assert output.count(note) == 1 and "net/last/bias (3,)." in output, output[-3000:]
+    assert output.count(note) == 3 and "net/last/bias (3,)." in output, output[-3000:]
+
+
+def test_a_stopped_model_parallel_fit_resumes_exactly(processes):
+    """BackupAndRestore: each process writes its shards; the fit stopped after step 8 and
+    resumed from step 6's backup (mid-epoch) ends as the uninterrupted one, bit for bit."""
+    processes, _ = processes
+    for saved in processes:
+        keys = [k[len("resumed/") :] for k in saved if k.startswith("resumed/")]
+        assert "history/loss" in keys and any(k.startswith("var/adam/") for k in keys)
+        assert len(saved["resumed/history/loss"]) == 1  # Only epoch 1 ran again.
+        for key in keys:
+            want = saved[f"ours/{key}"]
+            want = want[-1:] if key.startswith("history/") else want
+            np.testing.assert_array_equal(saved[f"resumed/{key}"], want, err_msg=key)
 
 
 def test_a_layout_map_entry_that_matches_no_variable_is_named(processes):
