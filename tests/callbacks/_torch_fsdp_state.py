@@ -1,6 +1,7 @@
 """BackupAndRestore under torch fsdp: one stage of tests/callbacks/test_torch_fsdp_state.py.
 
-Usage: python _torch_fsdp_state.py WORKDIR STAGE (STAGE "two" under `keras-accel launch -n 2`)
+Usage: keras-accel launch -n 2 _torch_fsdp_state.py WORKDIR (the stage "two"); the test
+runs the one-process stages "one" (before) and "back" (after) in its own process.
 
 - "one" (one process): the uninterrupted fit ("one/straight"), and a fit stopped by an
   exception mid-epoch that leaves its backups in WORKDIR/one.backup;
@@ -12,8 +13,9 @@ Usage: python _torch_fsdp_state.py WORKDIR STAGE (STAGE "two" under `keras-accel
   data_parallel ("two_to_one/fsdp", "two_to_one/data_parallel").
 
 Each fit: 37 rows in global batches of 8 (the last padded), Dense -> BatchNormalization ->
-Dropout -> Dense, Adam, the metric "mae", a backup every 3 steps. Every process writes
-what it saw (history, weights and optimizer variables, whole) to WORKDIR/STAGE-<process>.npz.
+Dropout -> Dense, Adam, the metric "mae", a backup every 3 steps. Each stage gives what it
+saw (history, weights and optimizer variables, whole); each process of "two" writes it to
+WORKDIR/two-<process>.npz.
 """
 
 import os
@@ -27,7 +29,6 @@ from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore
 from keras_accel.utils import process
 
-WORKDIR, STAGE = sys.argv[1], sys.argv[2]
 EPOCHS, BATCH, SAVE_FREQ = 3, 8, 3
 STOP = (1, 2)  # The end of batch 2 of epoch 1: step 8; the last backup is step 6's, mid-epoch.
 
@@ -48,7 +49,7 @@ def data():
     return rng.normal(size=(37, 6)).astype("float32"), rng.normal(size=(37, 3)).astype("float32")
 
 
-def fit(strategy, backup=None, stop=False):
+def fit(workdir, strategy, backup=None, stop=False):
     """A new model fitted under `strategy`; its history, weights and optimizer variables."""
     keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
@@ -66,7 +67,7 @@ def fit(strategy, backup=None, stop=False):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     callbacks = []
     if backup is not None:
-        callbacks.append(BackupAndRestore(os.path.join(WORKDIR, backup), save_freq=SAVE_FREQ))
+        callbacks.append(BackupAndRestore(os.path.join(workdir, backup), save_freq=SAVE_FREQ))
     if stop:
         callbacks.append(StopAt())
     x, y = data()
@@ -89,30 +90,44 @@ def keep(out, name, result):
     out.update({f"{name}/{k}": v for k, v in result.items()})
 
 
-def copy(source, target):
-    shutil.copytree(os.path.join(WORKDIR, source), os.path.join(WORKDIR, target))
+def copy(workdir, source, target):
+    shutil.copytree(os.path.join(workdir, source), os.path.join(workdir, target))
 
 
-out = {}
-if STAGE == "one":
-    acc, straight = fit("fsdp")
-    keep(out, "one/straight", straight)
-    fit("fsdp", "one.backup", stop=True)
-elif STAGE == "two":
-    acc, straight = fit("fsdp")
-    keep(out, "two/straight", straight)
-    acc, _ = fit("fsdp", "two.backup", stop=True)
+def one(workdir) -> dict:
+    """One process: the uninterrupted fit, and the stopped one's backups."""
+    out = {}
+    keep(out, "one/straight", fit(workdir, "fsdp")[1])
+    fit(workdir, "fsdp", "one.backup", stop=True)
+    return out
+
+
+def two(workdir) -> dict:
+    """Two processes: see the module docstring."""
+    out = {}
+    keep(out, "two/straight", fit(workdir, "fsdp")[1])
+    acc, _ = fit(workdir, "fsdp", "two.backup", stop=True)
     if acc.is_chief:  # What the stopped fits left, before a resumed fit deletes it.
-        copy("two.backup", "two.kept")
-        copy("two.backup", "two.data_parallel")
-        copy("one.backup", "one.copy")
+        copy(workdir, "two.backup", "two.kept")
+        copy(workdir, "two.backup", "two.data_parallel")
+        copy(workdir, "one.backup", "one.copy")
     process.barrier("copied")
-    keep(out, "two/resumed", fit("fsdp", "two.backup")[1])
-    keep(out, "two_to_data_parallel", fit("data_parallel", "two.data_parallel")[1])
-    keep(out, "one_to_two", fit("fsdp", "one.copy")[1])
-else:
+    keep(out, "two/resumed", fit(workdir, "fsdp", "two.backup")[1])
+    keep(out, "two_to_data_parallel", fit(workdir, "data_parallel", "two.data_parallel")[1])
+    keep(out, "one_to_two", fit(workdir, "fsdp", "one.copy")[1])
+    return out
+
+
+def back(workdir) -> dict:
+    """One process: the two processes' backups resumed under fsdp and data_parallel."""
+    out = {}
     for strategy in ("fsdp", "data_parallel"):
-        copy("two.kept", f"two.{strategy}")
-        acc, result = fit(strategy, f"two.{strategy}")
-        keep(out, f"two_to_one/{strategy}", result)
-np.savez(os.path.join(WORKDIR, f"{STAGE}-{acc.process_index}.npz"), **out)
+        copy(workdir, "two.kept", f"two.{strategy}")
+        keep(out, f"two_to_one/{strategy}", fit(workdir, strategy, f"two.{strategy}")[1])
+    return out
+
+
+if __name__ == "__main__":
+    workdir = sys.argv[1]
+    result = two(workdir)
+    np.savez(os.path.join(workdir, f"two-{process.process_index()}.npz"), **result)
