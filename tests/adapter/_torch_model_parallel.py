@@ -8,12 +8,15 @@ process count does not divide (kept whole). Trained 2 epochs with validation, ev
 asked for every prediction: first under strategy="single" (each process alone, the
 one-process reference), then under "model_parallel". A callback records, at each batch's
 end, the local shape of every variable and optimizer slot this process holds. Then the
-model_parallel fit stopped mid-epoch with BackupAndRestore and run again, resumed; and a map
-with an entry that matches no variable. Every process writes what it saw to
+model_parallel fit stopped mid-epoch with BackupAndRestore and run again, resumed; the test's
+one-process backup (WORKDIR/one.backup, written before the launch) resumed over the two;
+and a map with an entry that matches no variable. The backup of the two is kept
+(WORKDIR/backup.kept) for the test to restore onto one process. Every process writes what it saw to
 OUT-<process>.npz.
 """
 
 import os
+import shutil
 import sys
 
 import keras
@@ -21,8 +24,7 @@ import numpy as np
 
 from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore
-
-OUT = sys.argv[1]
+from keras_accel.utils import process
 
 
 class HeldShapes(keras.callbacks.Callback):
@@ -87,28 +89,54 @@ def run(strategy, layout_map=None, callbacks=()):
     return acc, out
 
 
-mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
-layout_map = keras.distribution.LayoutMap(mesh)
-layout_map["net/first/kernel"] = (None, "model")  # (6, 8): columns over the processes.
-layout_map["net/last/kernel"] = ("model", None)  # (8, 3): rows over the processes.
-layout_map["net/last/bias"] = ("model",)  # (3,): 2 does not divide it: kept whole.
-_, one = run("single")  # Each process alone, as one process runs it.
-acc, ours = run("model_parallel", layout_map)
-out = {**{f"one/{k}": v for k, v in one.items()}, **{f"ours/{k}": v for k, v in ours.items()}}
-# Stopped mid-epoch with BackupAndRestore, then resumed: each process writes its shards.
-backup = os.path.join(os.path.dirname(OUT), "backup")
-try:
-    run("model_parallel", layout_map, [BackupAndRestore(backup, save_freq=3), StopAt()])
-except RuntimeError as error:
-    assert str(error) == "stopped", error
-_, resumed = run("model_parallel", layout_map, [BackupAndRestore(backup, save_freq=3)])
-out.update({f"resumed/{k}": v for k, v in resumed.items() if not k.startswith("held/")})
-# An entry that matches no variable (a typo, a renamed layer): refused before anything is split.
-typo = keras.distribution.LayoutMap(mesh)
-typo["net/frist/kernel"] = (None, "model")
-try:
-    run("model_parallel", typo)
-    out["typo"] = np.asarray("trained")
-except ValueError as error:
-    out["typo"] = np.asarray(str(error))
-np.savez(f"{OUT}-{acc.process_index}.npz", **out)
+def stopped(strategy, layout_map, backup) -> None:
+    """The fit stopped after step 8, its backups (every 3 steps) left in `backup`."""
+    try:
+        run(strategy, layout_map, [BackupAndRestore(backup, save_freq=3), StopAt()])
+    except RuntimeError as error:
+        assert str(error) == "stopped", error
+
+
+def resumed(strategy, layout_map, backup) -> dict:
+    """The fit run again, resumed from `backup`: what this process saw."""
+    _, result = run(strategy, layout_map, [BackupAndRestore(backup, save_freq=3)])
+    return {k: v for k, v in result.items() if not k.startswith("held/")}
+
+
+def main(out_prefix: str) -> None:
+    workdir = os.path.dirname(out_prefix)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["net/first/kernel"] = (None, "model")  # (6, 8): columns over the processes.
+    layout_map["net/last/kernel"] = ("model", None)  # (8, 3): rows over the processes.
+    layout_map["net/last/bias"] = ("model",)  # (3,): 2 does not divide it: kept whole.
+    _, one = run("single")  # Each process alone, as one process runs it.
+    acc, ours = run("model_parallel", layout_map)
+    out = {**{f"one/{k}": v for k, v in one.items()}, **{f"ours/{k}": v for k, v in ours.items()}}
+    # Stopped mid-epoch with BackupAndRestore (each process writes its shards), resumed; and
+    # the backup of one process (the test's, `one.backup`) resumed over the two.
+    backup = os.path.join(workdir, "backup")
+    stopped("model_parallel", layout_map, backup)
+    if acc.is_chief:  # Kept for the test's restore onto one process (the resume deletes it).
+        shutil.copytree(backup, f"{backup}.kept")
+    process.barrier("kept")
+    out.update(
+        {f"resumed/{k}": v for k, v in resumed("model_parallel", layout_map, backup).items()}
+    )
+    one_backup = os.path.join(workdir, "one.backup")
+    one_to_two = resumed("model_parallel", layout_map, one_backup)
+    out.update({f"one_to_two/{k}": v for k, v in one_to_two.items()})
+    # An entry that matches no variable (a typo, a renamed layer): refused before anything
+    # is split.
+    typo = keras.distribution.LayoutMap(mesh)
+    typo["net/frist/kernel"] = (None, "model")
+    try:
+        run("model_parallel", typo)
+        out["typo"] = np.asarray("trained")
+    except ValueError as error:
+        out["typo"] = np.asarray(str(error))
+    np.savez(f"{out_prefix}-{acc.process_index}.npz", **out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

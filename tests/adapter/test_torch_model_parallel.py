@@ -3,8 +3,9 @@
 process running the whole batch: fit (Adam, BatchNormalization, Dropout, validation on 37
 rows in batches of 8, the last padded), evaluate and predict equal each process alone
 (strategy="single") bit for bit, each process holding half of what the map splits; what
-it names but cannot split is said, an entry that matches no variable refused
-(tests/adapter/_torch_model_parallel.py)."""
+it names but cannot split is said, an entry that matches no variable refused; and
+BackupAndRestore resumes a stopped fit bit for bit over 2 processes, 1 -> 2 and 2 -> 1
+(tests/adapter/_torch_model_parallel.py; the one-process parts in the test's process)."""
 
 import os
 import subprocess
@@ -25,16 +26,24 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "_torch_model_parallel.py")
 def processes(tmp_path_factory):
     if BACKEND != "torch":
         pytest.skip("torch's processes")
-    out = tmp_path_factory.mktemp("torch-model-parallel") / "two"
+    from tests.adapter import _torch_model_parallel as script
+
+    work = tmp_path_factory.mktemp("torch-model-parallel")
+    # One process's backup (here, in the test's process) for the two to resume from.
+    script.stopped("single", None, str(work / "one.backup"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("KERAS_ACCEL_TEST_DEVICES", None)
     command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", "2", SCRIPT]
     run = subprocess.run(
-        [*command, str(out)], env=env, capture_output=True, text=True, timeout=300,
+        [*command, str(work / "two")], env=env, capture_output=True, text=True, timeout=300,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [dict(np.load(f"{out}-{index}.npz")) for index in (0, 1)], run.stdout + run.stderr
+    saved = [dict(np.load(work / f"two-{index}.npz")) for index in (0, 1)]
+    # The two processes' backup resumed in one process (strategy="single").
+    two_to_one = script.resumed("single", None, str(work / "backup.kept"))
+    saved[0].update({f"two_to_one/{k}": v for k, v in two_to_one.items()})
+    return saved, run.stdout + run.stderr
 
 
 def test_two_model_parallel_processes_train_evaluate_and_predict_as_one(processes):
@@ -71,24 +80,31 @@ def test_each_process_holds_half_of_what_the_layout_map_splits(processes):
     for path in held:
         assert tuple(processes[1][f"ours/held/{path}"]) == held[path]
     assert str(saved["ours/class"]) == "Variable"  # Keras's own variables after the call.
-    # The one the map names but 2 does not divide: said by the chief, once per model (3
-    # models: the fit above, the stopped one, the resumed one).
+    # The one the map names but 2 does not divide: said by the chief, once per model (4
+    # models: the fit above, the stopped one, the two resumed ones).
     note = "model_parallel keeps 1 weight(s) its LayoutMap names whole"
-    assert output.count(note) == 3 and "net/last/bias (3,)." in output, output[-3000:]
+    assert output.count(note) == 4 and "net/last/bias (3,)." in output, output[-3000:]
 
 
-def test_a_stopped_model_parallel_fit_resumes_exactly(processes):
+@pytest.mark.parametrize(
+    "process, run",
+    [(0, "resumed"), (1, "resumed"), (0, "one_to_two"), (1, "one_to_two"), (0, "two_to_one")],
+    ids=["2-to-2", "2-to-2-second", "1-to-2", "1-to-2-second", "2-to-1"],
+)
+def test_a_stopped_model_parallel_fit_resumes_exactly_on_any_process_count(processes, process, run):
     """BackupAndRestore: each process writes its shards; the fit stopped after step 8 and
-    resumed from step 6's backup (mid-epoch) ends as the uninterrupted one, bit for bit."""
+    resumed from step 6's backup (mid-epoch), over 2 processes, from one process's backup
+    over 2, and from the 2 processes' backup in one, ends as the uninterrupted one, bit for
+    bit (every process runs the whole batch: the same numbers as one process)."""
     processes, _ = processes
-    for saved in processes:
-        keys = [k[len("resumed/") :] for k in saved if k.startswith("resumed/")]
-        assert "history/loss" in keys and any(k.startswith("var/adam/") for k in keys)
-        assert len(saved["resumed/history/loss"]) == 1  # Only epoch 1 ran again.
-        for key in keys:
-            want = saved[f"ours/{key}"]
-            want = want[-1:] if key.startswith("history/") else want
-            np.testing.assert_array_equal(saved[f"resumed/{key}"], want, err_msg=key)
+    saved = processes[process]
+    keys = [k[len(run) + 1 :] for k in saved if k.startswith(f"{run}/")]
+    assert "history/loss" in keys and any(k.startswith("var/adam/") for k in keys)
+    assert len(saved[f"{run}/history/loss"]) == 1  # Only epoch 1 ran again.
+    for key in keys:
+        want = saved[f"ours/{key}"]
+        want = want[-1:] if key.startswith("history/") else want
+        np.testing.assert_array_equal(saved[f"{run}/{key}"], want, err_msg=key)
 
 
 def test_a_layout_map_entry_that_matches_no_variable_is_named(processes):
