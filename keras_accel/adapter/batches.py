@@ -14,8 +14,9 @@ what its step is given."""
 from __future__ import annotations
 
 import warnings
+import weakref
 
-from keras_accel.adapter.exactness import inexact_under_padding
+from keras_accel.adapter.exactness import inexact_under_padding, mixes_rows
 from keras_accel.adapter.feeder import Feeder, user_stacklevel
 from keras_accel.adapter.pipeline import preprocessor, with_made_targets
 from keras_accel.adapter.runtime import Runtime
@@ -61,6 +62,7 @@ class Batches:
             return with_made_targets(batches, preprocessor(model))
 
         batches = make(self.remainder or "pad")
+        self._check_shares(model, batches)
         builtin = not overrides(model, "train")
         if builtin and not batches.has_targets and keras_internals.compile_loss(model):
             raise ValueError(
@@ -131,6 +133,7 @@ class Batches:
             return with_made_targets(batches, preprocessor(model))
 
         batches = make(None)
+        self._check_shares(model, batches)
         found = self._blind_evaluation(model, batches)
         if found and batches.plan.static_rows == batches.plan.batch_size:
             whole = self._whole(make, batches.plan, "; ".join(found), kind, model)
@@ -182,6 +185,31 @@ class Batches:
                 "row) to keep it.",
             )
         raise ValueError(_inexact_message(found, plan, self.num_replicas, "training"))
+
+    def _check_shares(self, model, batches) -> None:
+        """Says once per model, where each replica runs its own program on its share of
+        every batch (`Runtime.whole_remainder` "replicate": torch's processes, a
+        MirroredStrategy's replicas), that a model whose `call` mixes the rows of its batch
+        (`exactness.mixes_rows`, keras-io's movie recommender) computes every row from its
+        share's rows alone there, where plain Keras on one device and JAX see the whole
+        batch. Probed once per model (two eager forward passes on a few rows)."""
+        if self.feeder.runtime.whole_remainder != "replicate" or self.num_replicas < 2:
+            return
+        if model in _PROBED_SHARES:
+            return
+        _PROBED_SHARES.add(model)
+        with self.feeder.runtime.scope():  # A model not built yet is built as fit builds it.
+            mixed = mixes_rows(model, sources.sample_batch(batches))
+        if mixed:
+            warnings.warn(
+                f"keras_accel: {type(model).__name__}'s output for a row depends on the other "
+                f"rows of its batch, and over {self.num_replicas} replicas each computes "
+                "from its own share of every batch: its losses, metrics, predictions and "
+                "training differ from plain Keras on one device. Compute each row from its "
+                "own inputs, or run it on one device or on JAX (KERAS_BACKEND=jax), whose "
+                "program sees the whole batch.",
+                stacklevel=user_stacklevel(),
+            )
 
     def _blind_evaluation(self, model, batches) -> list[str]:
         """What of the model would count an evaluation's padding rows as real ones, each in
@@ -245,6 +273,9 @@ class Batches:
         )
         return whole
 
+
+# Models probed for rows that mix across a split batch (`Batches._check_shares`).
+_PROBED_SHARES: weakref.WeakSet = weakref.WeakSet()
 
 # Streams read in Python, batch by batch, whose short batches the padder marks as they come.
 _PYTHON_STREAMS = (sources.GENERATOR, sources.PY_DATASET)

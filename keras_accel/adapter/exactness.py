@@ -76,6 +76,21 @@ def inexact_under_padding(model, sample) -> list[str]:
     return found
 
 
+def mixes_rows(model, sample) -> bool:
+    """Whether `model`'s output for a row depends on the other rows of its batch
+    (`_mixes_rows`), probed on a few real rows of `sample` (a padded batch `(x, y,
+    sample_weight, row_mask)` of numpy arrays). Two eager forward passes."""
+    x, _, _, mask = sample
+    real = np.flatnonzero(np.asarray(mask) > 0) if mask is not None else None
+    rows = real[:_PROBE_ROWS] if real is not None else slice(0, _PROBE_ROWS)
+    x = keras.tree.map_structure(lambda a: np.asarray(a)[rows], x)
+    try:
+        y_pred = model(x, training=False)
+    except Exception:  # Inputs only a preprocessor understands (keras-hub's raw strings).
+        return False
+    return _mixes_rows(model, x, y_pred)
+
+
 def _mixes_rows(model, x, y_pred) -> bool:
     """Whether the model's output for a row changes when padding rows (copies of a real
     row, as the feeder pads) follow it in the batch, in inference: a `call` that reduces over

@@ -4,6 +4,7 @@ that honours sample_weight stays padded and exact. Against plain single-device K
 two replicas (what matters is that a batch pads, not how many replicas share it)."""
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -162,3 +163,22 @@ def test_a_model_whose_rows_see_each_other_is_found_and_one_that_does_not_is_not
         "SumsOverTheBatch's output for a row depends on the other rows of its batch"
     ]
     assert inexact_under_padding(_model(), sample) == []
+
+
+def test_a_model_whose_rows_see_each_other_is_named_where_each_replica_has_a_share(backend):
+    # TensorFlow's replicas each run the model on their share of every batch: said, not
+    # silent. JAX's program sees the whole batch: nothing to say.
+    x, y = _data()
+    acc = Accelerator(devices=DEVICES)
+    with acc.scope():
+        coupled = SumsOverTheBatch()
+        coupled.compile("sgd", "mse")
+    fit = dict(x=x, y=np.zeros((ROWS, 3), "float32"), batch_size=20, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.fit(coupled, **fit)
+        acc.evaluate(coupled, x, fit["y"], batch_size=20, verbose=0)
+    said = [w for w in caught if "depends on the other rows of its batch" in str(w.message)]
+    assert len(said) == (1 if backend == "tensorflow" and DEVICES > 1 else 0), said
+    if said:
+        assert f"over {DEVICES} replicas each computes from its own share" in str(said[0].message)
