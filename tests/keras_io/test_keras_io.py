@@ -39,7 +39,8 @@ _BATCH_COUPLED = (
     "movie_vector, 2)`): each replica's program sees only its own share of every batch, so "
     "every row's output differs from one device's (the row mixing is found, "
     "adapter/exactness.py, and the last partial batch runs whole in every replica, but every "
-    "full batch is still split; JAX and one replica see whole batches)"
+    "full batch is still split, which a warning says; JAX and one replica see whole "
+    "batches)"
 )
 XFAIL: dict[tuple[str, str], str] = {
     # TensorFlow, several replicas: the VAE's last partial batch runs whole in every replica
