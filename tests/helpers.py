@@ -81,13 +81,18 @@ def unpadded_remainder(acc) -> bool:
     return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch", "tensorflow")
 
 
-def unpadded_stream(acc) -> bool:
-    """Whether `acc` runs the short batches of a stream read in Python (a generator, a
-    `PyDataset`) unpadded where padding would reach code that weights no rows: where it
-    runs arrays' so, but over several TensorFlow replicas (`tf.distribute` splits every
+def unpadded_stream(acc, kind="generator") -> bool:
+    """Whether `acc` runs the short batches of a stream (a generator, a `PyDataset`, a
+    tf.data pipeline: `kind`) unpadded where padding would reach code that weights no rows:
+    on one replica, on JAX (a tf.data pipeline: in one process), over torch's processes (not
+    a tf.data pipeline), not over several TensorFlow replicas (`tf.distribute` splits every
     batch of a stream; there the short batch is dropped in training, an evaluation
     refused)."""
-    return acc.num_replicas == 1 or keras.backend.backend() in ("jax", "torch")
+    if acc.num_replicas == 1:
+        return True
+    return keras.backend.backend() == "jax" or (
+        keras.backend.backend() == "torch" and kind != "tf.data"
+    )
 
 
 def keep_pair(out, name, what, ours, one):

@@ -235,14 +235,18 @@ class Batches:
         """The batches with their short last batch reaching the model's code unpadded, as
         its real rows alone (compiled once more, for its shape), where the runtime runs one
         (`Runtime.whole_remainder`) and the input is numeric arrays read a batch at a time,
-        or a stream read in Python (`Runtime.whole_stream_remainder`: a generator, a
-        `PyDataset`, each batch with padding marked as it comes); text and keras-hub
-        preprocessing run in tf.data pipelines, which pad: else None. Said once."""
+        or a stream (`Runtime.whole_stream_remainder`: a generator, a `PyDataset`, each
+        batch with padding marked as it comes; `Runtime.whole_pipeline_remainder`: a
+        tf.data pipeline, marked in its graph); text and keras-hub preprocessing are padded
+        in the arrays' tf.data pipelines: else None. Said once."""
         runtime = self.feeder.runtime
         if preprocessor(model) is not None:
             return None
-        if kind in _PYTHON_STREAMS:
-            mode = runtime.whole_stream_remainder
+        if kind in _STREAMS:
+            if kind == sources.TF_DATASET:
+                mode = runtime.whole_pipeline_remainder
+            else:
+                mode = runtime.whole_stream_remainder
             if mode is None:
                 return None
             whole = make(mode)
@@ -277,8 +281,9 @@ class Batches:
 # Models probed for rows that mix across a split batch (`Batches._check_shares`).
 _PROBED_SHARES: weakref.WeakSet = weakref.WeakSet()
 
-# Streams read in Python, batch by batch, whose short batches the padder marks as they come.
-_PYTHON_STREAMS = (sources.GENERATOR, sources.PY_DATASET)
+# Streams whose short batches are marked as they are padded: read in Python, batch by batch,
+# or a user's tf.data pipeline, in its graph.
+_STREAMS = (sources.GENERATOR, sources.PY_DATASET, sources.TF_DATASET)
 
 
 def _numeric(batch) -> bool:
@@ -321,7 +326,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
         "that nothing is padded (numeric arrays' last partial batch runs unpadded on one "
         "device, on JAX, over torch's processes and over MirroredStrategy's replicas; a "
-        "generator's or PyDataset's on one device, on JAX and over torch's processes)."
+        "generator's or PyDataset's on one device, on JAX and over torch's processes; a "
+        "tf.data.Dataset's on one device and on JAX in one process)."
     )
 
 

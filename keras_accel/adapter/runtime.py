@@ -70,6 +70,13 @@ class Runtime:
         the runtime feeds such a stream another way."""
         return self.whole_remainder
 
+    @property
+    def whole_pipeline_remainder(self) -> str | None:
+        """`whole_remainder` for a user's `tf.data.Dataset`, each batch padded in its graph
+        (`keras_accel.data.tf_padding`): "whole" on one replica (nothing padded), else
+        None where the runtime cannot take a batch marked in the graph (the default)."""
+        return "whole" if self.num_replicas == 1 else None
+
     def device_scope(self):
         """The context that puts new variables on the plan's one device (`native` None)."""
         return contextlib.nullcontext()

@@ -173,7 +173,9 @@ def pack(x: Any, y: Any, sample_weight: Any, row_mask: Any, cut: int | None = No
         if y is None:
             return (x,) if row_mask is None else (x, row_mask)
         return x, y, (sample_weight, row_mask)
-    marker = np.zeros((0, cut), "float32")
+    # An int, or a marker made already (`tf_padding`'s, in the graph, of a row count known
+    # only there).
+    marker = np.zeros((0, cut), "float32") if isinstance(cut, (int, np.integer)) else cut
     if y is None:
         return x, (row_mask, marker)
     return x, y, (sample_weight, row_mask, marker)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_accel.data.batching import StreamPlan, static_batch_size
+from keras_accel.data.batching import UNPADDED, StreamPlan, static_batch_size
 from keras_accel.data.class_weights import check_class_weight, class_weight_table
 from keras_accel.data.tf_checks import fixed_batch_size, graph_batch_size, unbatched
 from keras_accel.data.tf_padding import Preprocess, batch_padder, mapped_element, rows_of
@@ -67,9 +67,9 @@ class TFDatasetBatches:
         self.plan = StreamPlan(
             batch_size=rows,
             static_rows=static,
-            num_batches=cardinality if cardinality > 0 and self.remainder == "pad" else None,
+            num_batches=cardinality if cardinality > 0 and self.remainder != "drop" else None,
             infinite=cardinality == tf.data.INFINITE_CARDINALITY,
-            pads=not (fixed and static == fixed),
+            pads=not (fixed and static == fixed) and self.remainder not in UNPADDED,
             remainder=self.remainder,
             training=training,
             kind="tf.data.Dataset",
@@ -85,7 +85,9 @@ class TFDatasetBatches:
 
     def pipeline(self, carry_mask: bool = True, preprocess: Preprocess = None):
         static = self.plan.static_rows
-        pad = batch_padder(static, carry_mask, preprocess, grows=self.grows)
+        pad = batch_padder(
+            static, carry_mask, preprocess, grows=self.grows, remainder=self.remainder
+        )
         dataset = self.source
         if self.remainder == "drop":
             full = self.plan.batch_size

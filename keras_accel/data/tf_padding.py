@@ -77,7 +77,12 @@ def _pad_leaf(t, static: int, target=None, repeat: bool = True):
 
 
 def batch_padder(
-    static: int, carry_mask: bool, preprocess: Preprocess, scales=None, grows: bool = False
+    static: int,
+    carry_mask: bool,
+    preprocess: Preprocess,
+    scales=None,
+    grows: bool = False,
+    remainder: str = "pad",
 ):
     """`fn(index, x, y, sample_weight)` -> the padded batch, as the Accelerator feeds it.
 
@@ -86,7 +91,10 @@ def batch_padder(
     step weights it. Without (`Accelerator.dataset`, for a plain `model.fit`) the weights are
     scaled here: by the batch plan's table `scales` where the data set's rows are known,
     else by the batch's own `static / real rows`. `grows`: a batch larger than `static`
-    is padded to its bucket (`_bucket`) instead of refused."""
+    is padded to its bucket (`_bucket`) instead of refused. `remainder` (a stream's plan's,
+    `keras_accel.data.batching.UNPADDED`): "whole", every batch as it came, unpadded;
+    "cut", a batch with padding marked with its real rows (`_marker`), which the step cuts
+    it to."""
     table = None if scales is None else tf.constant(scales, tf.float32)
 
     def fn(index, x, y, sample_weight):
@@ -94,12 +102,15 @@ def batch_padder(
             x, y, sample_weight = standardize_element(preprocess(x, y, sample_weight))
         rows = rows_of(x)
         target = _bucket(rows, static) if grows else None
+        if remainder == "whole":
+            target = rows  # Nothing padded: the batch as it came.
         pad = lambda t: _pad_leaf(t, static, target)  # noqa: E731
         zeros = lambda t: _pad_leaf(t, static, target, repeat=False)  # noqa: E731
+        cut = _marker(rows, static if target is None else target) if remainder == "cut" else None
         if y is None:
             if not carry_mask:
                 return (tf.nest.map_structure(pad, x),)
-            return pack(tf.nest.map_structure(pad, x), None, None, zeros(tf.ones([rows])))
+            return pack(tf.nest.map_structure(pad, x), None, None, zeros(tf.ones([rows])), cut)
         if sample_weight is None:
             weights = tf.ones([rows], tf.float32)
         else:
@@ -115,9 +126,16 @@ def batch_padder(
         weights = tf.nest.map_structure(zeros, weights)
         if not carry_mask:
             return x, y, weights
-        return pack(x, y, weights, zeros(tf.ones([rows], tf.float32)))
+        return pack(x, y, weights, zeros(tf.ones([rows], tf.float32)), cut)
 
     return fn
+
+
+def _marker(rows, padded):
+    """`keras_accel.data.batching.pack`'s marker in the graph: an empty `(0, rows)` array
+    for a batch of `rows` real rows padded to `padded`, `(0, 0)` for a full one."""
+    rows, padded = tf.cast(rows, tf.int32), tf.cast(padded, tf.int32)
+    return tf.zeros(tf.stack([0, tf.where(rows < padded, rows, 0)]), tf.float32)
 
 
 def mapped_element(element: tuple):

@@ -98,6 +98,10 @@ class _Batches(keras.utils.PyDataset):
 def _stream(kind, x, y):
     if kind == "PyDataset":
         return _Batches(x, y)
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
     def batches():
         for start in range(0, ROWS, BATCH):
@@ -106,13 +110,14 @@ def _stream(kind, x, y):
     return batches()
 
 
-@pytest.mark.parametrize("kind", ["generator", "PyDataset"])
+@pytest.mark.parametrize("kind", ["generator", "PyDataset", "tf.data"])
 @pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))
 def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kind, devices):
-    # Read as it comes, a short batch is known when it arrives: marked then, it runs as its
-    # real rows, as plain Keras runs it (a generator's first batch, read to learn the batch
-    # size, is not lost on the way). Over several TensorFlow replicas, which split every
-    # batch of a stream, it is dropped in training and an evaluation is refused.
+    # Read as it comes, a short batch is known when it arrives: marked then (a tf.data
+    # pipeline's in its graph), it runs as its real rows, as plain Keras runs it (a
+    # generator's first batch, read to learn the batch size, is not lost on the way). Over
+    # several TensorFlow replicas, which split every batch of a stream, it is dropped in
+    # training and an evaluation is refused.
     one = Accelerator(devices=devices)
     x, y = _data()
     with one.scope():
@@ -120,7 +125,7 @@ def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kin
     plain = _model(Unweighted)
     steps = []
     counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(1))
-    if not unpadded_stream(one):
+    if not unpadded_stream(one, kind):
         with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
             one.fit(ours, _stream(kind, x, y), epochs=1, verbose=0, callbacks=[counted])
         # (Not the optimizer's iterations: on TensorFlow Keras counts one more for a

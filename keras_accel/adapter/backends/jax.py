@@ -308,6 +308,15 @@ class Runtime(runtime.Runtime):
         device a batch of its real rows ("whole")."""
         return "whole" if self.native is None else "cut"
 
+    @property
+    def whole_pipeline_remainder(self) -> str | None:
+        """A tf.data pipeline's batch with padding marked in its graph ("cut") in one
+        process; over several, each keeps its share of a pipeline's batches
+        (`keras_accel.data.tf_shares`), not marked: None."""
+        if self.native is not None and jax.process_count() > 1:
+            return None
+        return self.whole_remainder
+
     def device_scope(self):
         return jax.default_device(_jax_device(self.plan.devices[0]))
 
