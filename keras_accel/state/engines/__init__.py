@@ -34,7 +34,10 @@ An engine opened on a directory answers:
 - `verify(step)`: check the step's files against the sizes and CRC32Cs its commit recorded
   (`keras_accel.state.checksums`; tf.train: every tensor through TensorFlow's own checks),
   raising `checksums.Damaged` naming the file and what differs; False where there is no
-  record to check against (a step written before records). `set_aside(step)` moves a
+  record to check against (a step written before records). It also reads the metadata the
+  engine's library would read, without running anything from it (DCP's `.metadata`
+  through an allow-list unpickler, `dcp_metadata`; Orbax's JSON): a file that could run
+  code or is not what the library writes there is damage too. `set_aside(step)` moves a
   damaged step under `damaged/`, out of every listing, and returns where it is now;
 - a failed save (a full disk) raises from `save` or `wait`, once, with its files removed;
 - `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 
@@ -32,6 +33,10 @@ _COMMITTED = "commit_success.txt"  # Orbax's commit marker on object stores.
 # Orbax's bookkeeping, which it rewrites at the commit, after the checksum record: the step's
 # metadata (its commit time) and its commit markers. Not training state.
 _UNRECORDED = ("_CHECKPOINT_METADATA", _COMMITTED)
+# The step's files Orbax reads as JSON (its metadata; the arrays are tensorstore's). Checked
+# to parse before Orbax reads them: `_CHECKPOINT_METADATA` has no checksum, and a record can
+# be re-sealed by anyone who can write the folder; either way such a file is damage.
+_JSON = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
 
 
 def native(path: str) -> bool:
@@ -42,6 +47,17 @@ def native(path: str) -> bool:
 def supports(path: str) -> bool:
     # Other schemes (s3://) are staged locally and uploaded (keras_accel.state.staged).
     return native(path) or staged.supports(path)
+
+
+def _check_json(path: str, name: str) -> None:
+    """The metadata file `path` (`name` in messages) parses as JSON, as Orbax reads it: a
+    text parser, which runs nothing whatever the bytes."""
+    try:
+        json.loads(files.read_bytes(path).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise checksums.Damaged(
+            name, f"not the JSON Orbax writes there ({type(error).__name__}: {str(error)[:120]})"
+        ) from error
 
 
 def _key(key: str) -> str:
@@ -213,13 +229,20 @@ class Engine:
             self.manager.reload()
 
     def verify(self, step: int) -> bool:
-        """Check step `step`'s files against its checksum record (`checksums.verify`):
-        False where it has none (written before records).
+        """Check step `step`'s files against its checksum record (`checksums.verify`), and
+        that its metadata files are the JSON Orbax reads them as: False where it has no
+        record (written before records).
 
         Raises:
-            checksums.Damaged: a file differs from the record, or is gone.
+            checksums.Damaged: a file differs from the record, or is gone, or a metadata
+                file is not JSON (a disk's fault, or a file planted there).
         """
-        return checksums.verify(self.path(step))
+        path = self.path(step)
+        recorded = checksums.verify(path)
+        for name in checksums.names_under(path):
+            if name.rsplit("/", 1)[-1] in _JSON:
+                _check_json(files.join(path, *name.split("/")), name)
+        return recorded
 
     def set_aside(self, step: int) -> str:
         """Move the damaged step `step` to `damaged/` (kept, never listed again); returns

@@ -58,6 +58,9 @@ class _Meta(tf.train.experimental.PythonState):
 _SHARD = re.compile(r"shard (\d+) \(\d+ bytes\): (.*?)(?: \[Op:\w+\])?$", re.S)
 _INDEX = re.compile(r"Unable to read file \((.*?\.index)\)\.? ?(.*)", re.S)
 _SHORT = ("Read less bytes than requested", "Read fewer bytes than requested")
+# TensorFlow's table reader on an index that is no table at all (overwritten, or a file of
+# another kind planted there): a plain OpError, not a DataLossError.
+_NOT_A_TABLE = ("not an sstable", "too short to be an sstable")
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
 _TEMP = re.compile(rf"^{PREFIX}-(\d+)_temp")
 _DATA = re.compile(rf"^{PREFIX}-(\d+)\.data-")
@@ -234,6 +237,8 @@ class Engine:
             return checksums.Damaged(os.path.basename(data[int(shard.group(1))]), shard.group(2))
         if index:
             return checksums.Damaged(os.path.basename(index.group(1)), index.group(2).strip())
+        if any(words in text for words in _NOT_A_TABLE):
+            return checksums.Damaged(f"{PREFIX}-{int(step)}.index", text.strip())
         if any(words in text for words in _SHORT):
             which = ", ".join(os.path.basename(path) for path in data) or "its data"
             return checksums.Damaged(which, f"shorter than its index says ({text.strip()})")

@@ -33,6 +33,9 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
   which save one at a time), never on the one training uses: two threads' collectives on
   one group would pair up wrongly. That group also makes it work where training runs on
   NCCL.
+- **A restore runs no code from the backup.** DCP reads `.metadata` with `pickle.load`;
+  here it is read through an allow-list unpickler instead (`dcp_metadata`), in `verify`
+  and for the restore: a step whose index names anything else is set aside as damaged.
 - **Restore onto any process count.** Each process reads every value it restores itself
   (`dcp.load(..., no_dist=True)`): from the files of any number of writers, into any number
   of readers, with no collective that a process could miss.
@@ -56,13 +59,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from keras_accel.state import checksums, files
+from keras_accel.state.engines import dcp_metadata
 from keras_accel.utils import library_internals, process
 
 NAME = "torch.distributed.checkpoint"
 WRITES = "local paths and URLs of the file systems fsspec has (gs:// with gcsfs, s3:// with s3fs)"
 PREFIX = "dcp-"
 META = "meta.json"
-COMMIT = ".metadata"  # DCP's own index, written last by the coordinator.
+COMMIT = dcp_metadata.COMMIT  # DCP's own index, written last by the coordinator.
 _NUMBER = re.compile(rf"^{PREFIX}(\d+)$")
 # A process that never reaches a save's collectives (killed, hung) fails the others after
 # this long instead of holding them for ever; longer than writing any state a host holds.
@@ -183,13 +187,19 @@ class Engine:
             _remove_tree(self.path(step))
 
     def verify(self, step: int) -> bool:
-        """Check step `step`'s files against its checksum record: False where it has none
-        (written before records).
+        """Check step `step`'s files against its checksum record, and read its `.metadata`
+        (which the record cannot cover: DCP writes it last, as its commit) through the
+        allow-list unpickler of `dcp_metadata`: False where it has no record (written
+        before records).
 
         Raises:
-            checksums.Damaged: a file differs from the record, or is gone.
+            checksums.Damaged: a file differs from the record, or is gone;
+                `dcp_metadata.Refused` where `.metadata` names anything no DCP index is
+                made of (nothing of it run).
         """
-        return checksums.verify(self.path(step))
+        recorded = checksums.verify(self.path(step))
+        dcp_metadata.read(self.path(step))
+        return recorded
 
     def set_aside(self, step: int) -> str:
         """Move the damaged step `step` to `damaged/` (the chief; kept, never listed again);
@@ -381,9 +391,13 @@ def _writer(path: str):
 
 
 def _reader(path: str):
+    """DCP's reader for the step at `path`, handed the index that `dcp_metadata` read
+    without running code (DCP's own `read_metadata` is a plain `pickle.load`)."""
     if files.is_remote(path):
-        return library_internals.dcp_fsspec_reader(path)
-    return dcp.FileSystemReader(path)
+        reader = library_internals.dcp_fsspec_reader(path)
+    else:
+        reader = dcp.FileSystemReader(path)
+    return dcp_metadata.reader(path, reader)
 
 
 def _remove_tree(path: str) -> None:

@@ -42,6 +42,7 @@ from keras_accel.utils.library_internals.lookup import (
 from keras_accel.utils.library_internals.pytorch import (
     dcp_fsspec_reader,
     dcp_fsspec_writer,
+    dcp_metadata_private_globals,
     dcp_save_in_one_process,
     fsdp_remove,
     module_parameters,
@@ -102,6 +103,7 @@ __all__ = [
     "check",
     "current_frames",
     "dcp_fsspec_reader",
+    "dcp_metadata_private_globals",
     "fsdp_remove",
     "module_parameters",
     "dcp_fsspec_writer",

@@ -1,5 +1,6 @@
 """torch's: a tensor's in-place version counter, and torch.distributed.checkpoint's (DCP's)
-one-process saver and its fsspec storage writer and reader."""
+one-process saver, its fsspec storage writer and reader, and the private classes its
+`.metadata` pickles (for the allow-list that reads it without running code)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,38 @@ _FSSPEC_READER = Internal(
     "FsspecReader",
     "restoring DCP checkpoints from remote file systems (as FsspecWriter)",
 )
-INTERNALS = [_TENSOR_VERSION, _SAVE_STATE_DICT, _FSSPEC_WRITER, _FSSPEC_READER]
+# What DCP's `.metadata` pickle names besides its public dataclasses: each entry of its
+# index (`_StorageInfo`), a tensor's memory format (`_MEM_FORMAT_ENCODING`, an Enum) and
+# its layout (`_get_layout`, which looks a layout up by its name).
+_DCP_STORAGE_INFO = Internal(
+    "torch",
+    "torch.distributed.checkpoint.filesystem",
+    "_StorageInfo",
+    "where each value lies in DCP's files: a class DCP's `.metadata` pickles, allowed by "
+    "the unpickler that reads it without running code",
+)
+_DCP_MEMORY_FORMAT = Internal(
+    "torch",
+    "torch.distributed.checkpoint.metadata",
+    "_MEM_FORMAT_ENCODING",
+    "a tensor's memory format in DCP's `.metadata` (allowed as _StorageInfo)",
+)
+_TORCH_GET_LAYOUT = Internal(
+    "torch",
+    "torch.serialization",
+    "_get_layout",
+    "how a pickle names a tensor's layout (torch.strided), in DCP's `.metadata` (allowed "
+    "as _StorageInfo)",
+)
+INTERNALS = [
+    _TENSOR_VERSION,
+    _SAVE_STATE_DICT,
+    _FSSPEC_WRITER,
+    _FSSPEC_READER,
+    _DCP_STORAGE_INFO,
+    _DCP_MEMORY_FORMAT,
+    _TORCH_GET_LAYOUT,
+]
 
 
 def tensor_version(tensor) -> int:
@@ -65,6 +97,14 @@ def dcp_fsspec_writer(path: str):
 def dcp_fsspec_reader(path: str):
     """DCP's storage reader for a remote (fsspec) path."""
     return find(_FSSPEC_READER)(path)
+
+
+def dcp_metadata_private_globals() -> dict:
+    """`{(module, name): object}` of the private names DCP's `.metadata` pickles."""
+    return {
+        (internal.module, internal.name): find(internal)
+        for internal in (_DCP_STORAGE_INFO, _DCP_MEMORY_FORMAT, _TORCH_GET_LAYOUT)
+    }
 
 
 _MODULE_PARAMETERS = Internal(
