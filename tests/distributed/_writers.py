@@ -8,6 +8,12 @@ under Keras's `TensorBoard(WORKDIR/tb)`, `CSVLogger(WORKDIR/log.csv, append=True
 `ModelCheckpoint(WORKDIR/ckpt/model.keras)`, then evaluates with the same TensorBoard. Each
 process then writes WORKDIR/writers-<process>.json: where each callback points after the
 calls (put back as the script gave it).
+
+Beside them, a tracker's logger as W&B's and MLflow's Keras callbacks are (`RunLogger`: a
+run of its own in every process that builds one, each epoch's logs appended to it), once
+wrapped in `chief_only` (WORKDIR/tracked/) and once bare (WORKDIR/untracked/), and a
+`CSVLogger` wrapped in `chief_only` (WORKDIR/chief.csv), which acc.fit's own redirection of
+Keras's writers does not see.
 """
 
 import argparse
@@ -30,6 +36,27 @@ import keras  # noqa: E402
 from _model import compiled_classifier  # noqa: E402  (this folder: scripts run as scripts)
 
 from keras_accel import Accelerator  # noqa: E402
+from keras_accel.callbacks import chief_only  # noqa: E402
+
+
+class RunLogger(keras.callbacks.Callback):
+    """A tracker's logger: a run file of its own in each process (`wandb.init` in each),
+    each epoch's logs appended."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def on_train_begin(self, logs=None):
+        os.makedirs(self.folder, exist_ok=True)
+        self.path = os.path.join(self.folder, f"run-{os.getpid()}.jsonl")
+        open(self.path, "a").close()
+
+    def on_epoch_end(self, epoch, logs=None):
+        row = {"epoch": epoch, **{key: float(value) for key, value in logs.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
 
 acc = Accelerator(seed=0, devices=args.devices)
 rng = np.random.default_rng(0)
@@ -48,7 +75,14 @@ acc.fit(
     epochs=2,
     validation_data=(x[:32], y[:32]),
     verbose=0,
-    callbacks=[board, logger, checkpoint],
+    callbacks=[
+        board,
+        logger,
+        checkpoint,
+        chief_only(RunLogger(os.path.join(workdir, "tracked"))),
+        RunLogger(os.path.join(workdir, "untracked")),
+        chief_only(keras.callbacks.CSVLogger(os.path.join(workdir, "chief.csv"))),
+    ],
 )
 acc.evaluate(model, x, y, batch_size=16, verbose=0, callbacks=[board])
 with open(os.path.join(workdir, f"writers-{acc.process_index}.json"), "w") as f:

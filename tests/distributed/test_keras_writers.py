@@ -1,6 +1,8 @@
 """Keras's own file-writing callbacks over 2 processes (`keras-accel launch -n 2`, the script
 unchanged): one set of files, the chief's, as one process writes them
-(keras_accel/state/keras_writers.py)."""
+(keras_accel/state/keras_writers.py); and in the same launch, a tracker's logger and a
+`CSVLogger` wrapped in `keras_accel.callbacks.chief_only`: one run, each epoch once, the
+logs of one process (docs/trackers.md)."""
 
 import glob
 import json
@@ -8,10 +10,16 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import BACKEND
-from tests.distributed.test_multi_process import LOCAL_DEVICES, TIMEOUT_S, _launch_command
+from tests.distributed.test_multi_process import (
+    LOCAL_DEVICES,
+    TIMEOUT_S,
+    TOLERANCE,
+    _launch_command,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -41,6 +49,23 @@ def _written(workdir):
     with open(os.path.join(workdir, "log.csv")) as f:
         rows = f.read().splitlines()
     return boards, [row.split(",")[0] for row in rows], sorted(os.listdir(workdir / "ckpt"))
+
+
+def _runs(folder):
+    """The run files a tracker's logger left in `folder`: [[row of each epoch]]."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(folder, "run-*.jsonl"))):
+        with open(path) as f:
+            found.append([json.loads(line) for line in f.read().splitlines()])
+    return found
+
+
+def _assert_same_logs(rows, expected):
+    assert [row["epoch"] for row in rows] == [row["epoch"] for row in expected] == [0, 1]
+    for row, one in zip(rows, expected):
+        assert sorted(row) == sorted(one)
+        for key in row:
+            np.testing.assert_allclose(row[key], one[key], rtol=TOLERANCE, err_msg=key)
 
 
 def _run(command, workdir, scratch):
@@ -80,3 +105,18 @@ def test_tensorboard_csv_logger_and_model_checkpoint_write_once_over_two_process
             "filepath": str(two / "ckpt" / "model.keras"),
         }, (process, BACKEND)
     assert not glob.glob(str(scratch / "keras_accel-not-chief-*"))
+
+    # chief_only: one run (the chief's), each epoch once, the global logs one process logs;
+    # the same logger bare starts a run in each process, as W&B's and MLflow's do.
+    ((tracked,),) = [_runs(two / "tracked")]
+    ((alone,),) = [_runs(one / "tracked")]
+    _assert_same_logs(tracked, alone)
+    assert [len(run) for run in _runs(two / "untracked")] == [2, 2]
+    with open(two / "chief.csv") as f, open(one / "chief.csv") as g:
+        rows, expected = f.read().splitlines(), g.read().splitlines()
+    assert rows[0] == expected[0] and [row.split(",")[0] for row in rows] == ["epoch", "0", "1"]
+    columns = rows[0].split(",")
+    _assert_same_logs(
+        [dict(zip(columns, map(float, row.split(",")))) for row in rows[1:]],
+        [dict(zip(columns, map(float, row.split(",")))) for row in expected[1:]],
+    )
