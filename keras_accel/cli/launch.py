@@ -7,7 +7,9 @@ strategies) and torchrun's `WORLD_SIZE`/`RANK`/`LOCAL_RANK`/`MASTER_ADDR`/`MASTE
 (`torch.distributed`), so the same script, unchanged, runs here and on a pod. Their output is
 streamed line by line, prefixed with the process index. The launch ends with the first failure: the
 other processes get SIGTERM, then SIGKILL after `--grace` seconds, and the message names the
-process whose error came first and how (not a peer that its end broke). SIGTERM or Ctrl-C to
+process whose error came first and how (not a peer that its end broke); a process found stopped
+(SIGSTOP, job control: it answers no collective) is named as the one that stopped answering,
+when its peers fail on it or after `--stall-timeout` seconds. SIGTERM or Ctrl-C to
 the launcher is passed on to every process (a preemption:
 `keras_accel.callbacks.BackupAndRestore` saves, then the process exits).
 
@@ -36,6 +38,10 @@ import threading
 import time
 
 DEFAULT_GRACE_S = 30.0
+# How long a process may stay stopped (SIGSTOP, job control) before the launch names it and
+# ends: longer than a debugger's look, shorter than the collectives' own timeouts (the
+# others otherwise fail after 42-138 s, each naming itself).
+DEFAULT_STALL_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help=f"after SIGTERM, how long processes get before SIGKILL (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_S,
+        metavar="SECONDS",
+        help="how long a process may stay stopped (SIGSTOP, job control) before the launch "
+        f"names it and ends; 0: never (default {DEFAULT_STALL_S:g})",
     )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -239,6 +253,7 @@ class Launch:
         self.ports = ports
         self.devices_per_process = options.get("devices_per_process")
         self.grace = options.get("grace", DEFAULT_GRACE_S)
+        self.stall = options.get("stall", DEFAULT_STALL_S)
         self.out = options.get("out", sys.stdout)
         self.err = options.get("err", sys.stderr)
         self.defaults = options.get("defaults", {})
@@ -254,6 +269,10 @@ class Launch:
         self._ended_at: dict[int, float] = {}
         self._write = threading.Lock()
         self._stopping: str | None = None  # Why the processes were told to stop.
+        # Since when each process has been seen stopped (monotonic s; `_watch_stops`), and
+        # the one named as having stopped answering, with how long it had been stopped.
+        self._stopped_since: dict[int, float] = {}
+        self._stalled: tuple[int, float] | None = None
 
     def say(self, message: str) -> None:
         with self._write:
@@ -390,6 +409,37 @@ class Launch:
 
         return min(failed, key=order)
 
+    def _watch_stops(self, codes: list) -> None:
+        """Note which running processes are stopped (state T: SIGSTOP, a stuck host's job
+        control), and since when: such a process answers no collective, and its peers
+        fail on it later, each naming only itself."""
+        now = time.monotonic()
+        for index, code in enumerate(codes):
+            if code is None and process_state(self.processes[index].pid) == "T":
+                self._stopped_since.setdefault(index, now)
+            else:
+                self._stopped_since.pop(index, None)
+
+    def _stopped_first(self) -> tuple[int, float] | None:
+        """(index, seconds stopped) of the process stopped longest, or None."""
+        self._watch_stops([process.poll() for process in self.processes])
+        if not self._stopped_since:
+            return None
+        index = min(self._stopped_since, key=self._stopped_since.get)
+        return index, time.monotonic() - self._stopped_since[index]
+
+    def _stop_stalled(self, index: int, why: str) -> None:
+        """Name process `index` as the one that stopped answering, SIGKILL it (stopped, it
+        would act on nothing; its end frees the peers waiting on it) and stop the others."""
+        self._stalled = index, time.monotonic() - self._stopped_since[index]
+        self.say(
+            f"process {index} (pid {self.processes[index].pid}) stopped answering: {why}. "
+            f"SIGKILL to it; stopping the others (SIGTERM, SIGKILL after {self.grace:g} s)."
+        )
+        with contextlib.suppress(ProcessLookupError):
+            self.processes[index].kill()
+        self.stop(f"process {index} stopped answering")
+
     def wait(self) -> int:
         """Watch the processes until all have ended; the launch's exit code."""
         failed: tuple[int, int] | None = None
@@ -398,9 +448,20 @@ class Launch:
             codes = [process.poll() for process in self.processes]
             if all(code is not None for code in codes):
                 break
+            stopped = self._stopped_first() if self._stopping is None else None
             if failed is None and self._stopping is None and any(c not in (None, 0) for c in codes):
                 codes = self._cause(codes)
                 failed = index, code = self._first_failure(codes)
+                if stopped is not None:
+                    # Its peers fail on it (a collective that timed out, a lost
+                    # connection): the cause is the process that stopped, not them.
+                    self._stop_stalled(
+                        stopped[0],
+                        f"it has been stopped (state T: SIGSTOP, job control) for "
+                        f"{stopped[1]:.0f} s, and process {index} failed on it "
+                        f"({describe_exit(code)})",
+                    )
+                    continue
                 others = sum(c is None for c in codes)
                 self.say(
                     f"process {index} (pid {self.processes[index].pid}) failed: "
@@ -408,6 +469,12 @@ class Launch:
                     f"(SIGTERM, SIGKILL after {self.grace:g} s)."
                 )
                 self.stop(f"process {index} failed")
+            elif stopped is not None and self.stall and stopped[1] > self.stall:
+                self._stop_stalled(
+                    stopped[0],
+                    f"it has been stopped (state T: SIGSTOP, job control) for more than "
+                    f"--stall-timeout {self.stall:g} s",
+                )
             if self._stopping is not None and not killed and time.monotonic() > self._deadline:
                 left = [i for i, c in enumerate(codes) if c is None]
                 self.say(
@@ -422,6 +489,14 @@ class Launch:
         codes = [process.returncode for process in self.processes]
         if failed is None and self._stopping is None and any(codes):
             failed = self._first_failure(codes)  # All ended in one poll.
+        if self._stalled is not None:
+            index, seconds = self._stalled
+            self.say(
+                f"failed: process {index} stopped answering (stopped for {seconds:.0f} s); "
+                f"exit codes {codes}."
+            )
+            code = codes[index]
+            return code if code > 0 else 128 - code
         if failed is not None:
             index, code = failed
             self.say(f"failed: process {index} ({describe_exit(code)}); exit codes {codes}.")
@@ -443,6 +518,20 @@ CAUSE_WINDOW_S = 1.0
 # TRACEBACK_END_S of it (`Launch._error_at`).
 TRACEBACK_SETTLE_S = 2.0
 TRACEBACK_END_S = 10.0
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process `pid` (R, S, D, T...), or None where it
+    cannot be read (gone, or no /proc: the stall watch is then off)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", errors="replace")
+    except OSError:
+        return None
+    # `pid (comm) state ...`: the name may hold spaces and parentheses; the state follows
+    # the last ')'.
+    rest = stat.rpartition(")")[2].split()
+    return rest[0] if rest else None
 
 
 def devices_per_process_note(devices_per_process: int | None, num_processes: int) -> str | None:
@@ -479,6 +568,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.grace < 0:
         raise ValueError(f"--grace must be 0 or more seconds. Received: {args.grace}")
+    if args.stall_timeout < 0:
+        raise ValueError(
+            f"--stall-timeout must be 0 (never) or more seconds. Received: {args.stall_timeout}"
+        )
     if not os.path.isfile(args.script):
         raise ValueError(f"No such script: {args.script!r}. Pass the path of a Python file.")
     missing = missing_backend_error()
@@ -496,6 +589,7 @@ def run(args: argparse.Namespace) -> int:
         ports,
         devices_per_process=args.devices_per_process,
         grace=args.grace,
+        stall=args.stall_timeout,
         defaults=defaults,
     )
     for note in [devices_per_process_note(args.devices_per_process, n), *notes]:

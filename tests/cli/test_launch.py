@@ -81,6 +81,57 @@ def test_a_failure_stops_the_others_and_is_named(tmp_path):
     assert "exit codes [-15, 3]" in result.stderr  # The survivor was stopped by SIGTERM.
 
 
+# Process 1 stops itself (SIGSTOP: a stuck host, a frozen file system); process 0 goes on, as
+# a healthy process waiting in a collective with it does.
+STOPS = """
+import os, signal, time
+if os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] == "1":
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep({healthy_s})
+raise SystemExit("process 0: the collective with process 1 timed out")
+"""
+
+
+def test_a_stopped_process_is_named_not_the_healthy_one_that_failed_on_it(tmp_path):
+    """Before: "process 0 failed", and process 1 (the one that stopped) never named."""
+    started = time.monotonic()
+    result = _launch(tmp_path, STOPS.format(healthy_s=3), "-n", "2", "--grace", "5", timeout=120)
+    assert time.monotonic() - started < 60
+    assert "process 1 (pid " in result.stderr, result.stderr
+    assert (
+        ") stopped answering: it has been stopped (state T: SIGSTOP, job control) for "
+        in result.stderr
+    )
+    assert "s, and process 0 failed on it (exit code 1)." in result.stderr
+    assert "process 0 (pid" not in result.stderr  # Not named as the cause.
+    assert "failed: process 1 stopped answering (stopped for " in result.stderr
+    assert "exit codes [1, -9]" in result.stderr  # The stopped one killed, not left behind.
+    assert result.returncode == 137
+
+
+def test_a_process_stopped_past_the_stall_timeout_ends_the_launch(tmp_path):
+    """Its peers would otherwise wait for their collectives' own timeouts (42-138 s)."""
+    started = time.monotonic()
+    result = _launch(
+        tmp_path,
+        STOPS.format(healthy_s=300),
+        "-n",
+        "2",
+        "--grace",
+        "5",
+        "--stall-timeout",
+        "2",
+        timeout=120,
+    )
+    assert time.monotonic() - started < 60
+    assert (
+        "stopped answering: it has been stopped (state T: SIGSTOP, job control) for more "
+        "than --stall-timeout 2 s. SIGKILL to it; stopping the others" in result.stderr
+    ), result.stderr
+    assert "exit codes [-15, -9]" in result.stderr
+    assert result.returncode == 137
+
+
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     # No timing races on a loaded machine: process 1 dies only once process 0 has said (a file)
     # that its SIGTERM handler is installed, so the launcher's SIGTERM is always ignored, and
@@ -185,6 +236,7 @@ def test_devices_per_process_on_tensorflow_is_a_note_not_silence(tmp_path, backe
         (["-n", "0"], "-n/--num-processes must be at least 1. Received: 0"),
         (["-n", "2", "--devices-per-process", "0"], "--devices-per-process must be at least 1"),
         (["-n", "2", "--grace", "-1"], "--grace must be 0 or more seconds. Received: -1"),
+        (["-n", "2", "--stall-timeout", "-1"], "--stall-timeout must be 0 (never) or more"),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, options, message):
