@@ -124,7 +124,9 @@ def test_a_planted_pickle_runs_nothing_is_set_aside_and_the_step_before_restored
     pristine = str(tmp_path / "pristine")
     shutil.copytree(backup_dir, pristine)
     marker = str(tmp_path / "ran")
-    for kind in PAYLOADS:
+    # Orbax and tf.train unpickle nothing: one payload shows their parsers' refusal; on torch
+    # each payload is one global the allow-list must refuse.
+    for kind in PAYLOADS if keras.backend.backend() == "torch" else PAYLOADS[:1]:
         shutil.rmtree(backup_dir)
         shutil.copytree(pristine, backup_dir)
         planted = metadata_files(newest)
