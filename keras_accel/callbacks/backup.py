@@ -26,6 +26,7 @@ from keras_accel.callbacks._resume import Resume
 from keras_accel.callbacks.learning_rate import optimizer_rate
 from keras_accel.state import (
     backups,
+    checksums,
     engines,
     files,
     keras_backups,
@@ -137,6 +138,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             False waits for every save to be on disk before training goes on.
         partial_restore: restore the variables that match and keep the others, instead of
             refusing a checkpoint that does not fit the model.
+        signing_key: bytes or a str (its UTF-8 bytes); None reads the environment variable
+            `KERAS_ACCEL_SIGNING_KEY` (for launchers; the argument wins), and without
+            either nothing is signed. With a key every backup's checksum record carries an
+            HMAC-SHA256 of its files' digests and its step, and a restore refuses as
+            tampered (named, set aside under `damaged/`, the newest intact step restored)
+            a step whose record does not verify under the key, or that has none
+            (docs/callbacks.md, "Signed backups"). Give every process the same key.
 
     Example:
 
@@ -170,6 +178,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         verbose: int = 0,
         save_on_background: bool = True,
         partial_restore: bool = False,
+        signing_key: bytes | str | None = None,
     ):
         # The Keras internals our callbacks rely on, checked once, under a plain model.fit too.
         keras_internals.check()
@@ -190,8 +199,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_on_background = bool(save_on_background)
         self.partial_restore = bool(partial_restore)
         self._engine_name = engine_module.NAME
+        # Private, and never logged or written: only its HMACs are.
+        key = checksums.signing_key(signing_key)
         self._backups = backups.Backups(
-            backup_dir, engine_module, self.max_to_keep, self.save_on_background
+            backup_dir, engine_module, self.max_to_keep, self.save_on_background, key
         )
         self._lock = DirectoryLock(backup_dir, lock_timeout, self, self._in_fit)
         self._schedule = schedule.Schedule()

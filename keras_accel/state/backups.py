@@ -89,11 +89,20 @@ def writable_directory(backup_dir, module) -> str:
 
 class Backups:
     """The backups in `directory`, on the engine of `module` (`keras_accel.state.engines`),
-    the newest `max_to_keep` kept, saved in the background when `asynchronous`. The engine
-    opens on first use and stays open until `close()`."""
+    the newest `max_to_keep` kept, saved in the background when `asynchronous`, each step's
+    record signed with `signing_key` where one is given. The engine opens on first use and
+    stays open until `close()`."""
 
-    def __init__(self, directory: str, module, max_to_keep: int, asynchronous: bool):
+    def __init__(
+        self,
+        directory: str,
+        module,
+        max_to_keep: int,
+        asynchronous: bool,
+        signing_key: bytes | None = None,
+    ):
         self.directory = directory
+        self._signing_key = signing_key  # Handed to the engine only; never shown.
         self.module = module
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
@@ -113,7 +122,11 @@ class Backups:
                 with contextlib.suppress(Exception):
                     previous.close()
             self._engine = engines.open_engine(
-                self.module, self.directory, self.max_to_keep, asynchronous=self.asynchronous
+                self.module,
+                self.directory,
+                self.max_to_keep,
+                asynchronous=self.asynchronous,
+                signing_key=self._signing_key,
             )
             _OPEN[self.directory] = self._engine
             _wait_at_exit()

@@ -20,11 +20,26 @@ on this machine, against 4.0 GB/s for zlib's CRC-32 and 0.9-1.7 GB/s for BLAKE2b
 SHA-256 (100 MB, one core); docs/benchmarks.md has what it costs a save and a restore. On
 GCS the objects' own CRC32C is read instead (`digest`); other stores (s3://) read the
 files back.
+
+**Signed records.** A CRC32C finds damage, not tampering: anyone who can write the folder
+can change a file and re-seal its record. With a signing key (`BackupAndRestore(...,
+signing_key=...)`, or `KERAS_ACCEL_SIGNING_KEY`), the record also holds
+`"hmac-sha256"`: an HMAC-SHA256, under the key, of the step number and every recorded
+file's name, size and CRC32C (`sign`). A restore with the key (`verify(..., key=, step=)`)
+refuses, as `Tampered` (a `Damaged`, so the step is set aside as damaged ones are): a step
+without a record, a record without a signature or whose signature does not verify for
+this step (re-sealed without the key, signed with another, or copied from another step),
+and any file of the step the record does not list. A file changed under a genuine
+record fails its CRC32C; changing the record to match needs a new signature, which needs
+the key. The key is never written or logged, and signatures are compared in constant time
+(`hmac.compare_digest`). Without a key nothing is signed or checked: records are as before.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 import time
@@ -35,6 +50,8 @@ from keras_accel.state import files
 
 RECORD = "keras_accel.checksums.json"
 ALGORITHM = "crc32c"
+SIGNATURE = "hmac-sha256"  # The record's field holding its HMAC, when signed.
+KEY_VARIABLE = "KERAS_ACCEL_SIGNING_KEY"  # The signing key, for launchers.
 # Where a damaged step is kept, out of every engine's listing: `<backup_dir>/damaged/`.
 DAMAGED = "damaged"
 _CHUNK = 8 * 2**20  # Read in pieces: a checkpoint file may be larger than memory allows.
@@ -52,6 +69,76 @@ class Damaged(Exception):
         super().__init__(f"{file}: {mismatch}")
         self.file = file
         self.mismatch = mismatch
+
+
+class Tampered(Damaged):
+    """A step's record is missing, unsigned or forged where a signing key is set, or the
+    step holds a file its signed record does not list: refused, and set aside as a
+    damaged step is. `tampered` tells the two apart in messages."""
+
+    tampered = True
+
+
+def signing_key(given: bytes | str | None) -> bytes | None:
+    """The signing key: `given`, else the environment's `KERAS_ACCEL_SIGNING_KEY`, else
+    None (records unsigned). A str is its UTF-8 bytes. Messages never repeat the key."""
+    source = "signing_key"
+    if given is None:
+        given = os.environ.get(KEY_VARIABLE) or None
+        source = f"the environment variable {KEY_VARIABLE}"
+    if given is None:
+        return None
+    if isinstance(given, str):
+        given = given.encode("utf-8")
+    if not isinstance(given, (bytes, bytearray)):
+        raise TypeError(
+            f"BackupAndRestore: {source} must be bytes or a str. Received: an object of "
+            f"type {type(given).__name__}."
+        )
+    if not given:
+        raise ValueError(
+            f"BackupAndRestore: {source} is empty; give a key, or None to sign nothing."
+        )
+    return bytes(given)
+
+
+def sign(key: bytes, step: int, entries: dict) -> str:
+    """The HMAC-SHA256 (hex) under `key` of step `step`'s record entries
+    (`{name: {"size": N, "crc32c": hex}}`): the step number is signed too, so a record
+    copied to another step does not verify there."""
+    message = json.dumps(
+        {"step": int(step), "files": entries}, sort_keys=True, separators=(",", ":")
+    )
+    return hmac.new(key, message.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def authenticate(recorded: dict | None, key: bytes, step: int, name: str = RECORD) -> None:
+    """Check that `recorded` (the record of step `step`, None where there is none) carries a
+    signature that verifies under `key`.
+
+    Raises:
+        Tampered: no record, no signature, or one that does not verify for this step.
+    """
+    if recorded is None:
+        raise Tampered(
+            name,
+            "missing, and a signing key is set: a step without a signed record is refused "
+            "(written without a key, by keras_accel before records, or its record removed)",
+        )
+    signature = recorded.get(SIGNATURE)
+    if not isinstance(signature, str):
+        raise Tampered(
+            name,
+            "unsigned, and a signing key is set: the record was written without a key (or "
+            "re-sealed by someone without it); refused as tampered",
+        )
+    if not hmac.compare_digest(sign(key, step, recorded["files"]).encode(), signature.encode()):
+        raise Tampered(
+            name,
+            f"its HMAC-SHA256 does not verify for step {int(step)} under the signing key "
+            "given: re-sealed by someone without the key, copied from another step, or "
+            "signed with another key; refused as tampered",
+        )
 
 
 def digest(path: str) -> dict:
@@ -123,17 +210,27 @@ def record(root: str, names: list[str]) -> dict:
     }
 
 
-def seal(root: str, skip: tuple[str, ...] = ()) -> dict:
-    """Write the record of every file under `root` (but `skip`) into `root`, atomically;
-    returns it."""
-    written = record(root, names_under(root, skip))
-    files.write_atomic(files.join(root, RECORD), json.dumps(written, sort_keys=True))
+def seal(
+    root: str,
+    skip: tuple[str, ...] = (),
+    key: bytes | None = None,
+    step: int | None = None,
+    names: list[str] | None = None,
+    into: str = RECORD,
+) -> dict:
+    """Write the record of every file under `root` (but `skip`; or of the files `names`)
+    into `root/into`, atomically, signed for step `step` where `key` is given; returns it."""
+    written = record(root, names_under(root, skip) if names is None else names)
+    if key is not None:
+        written[SIGNATURE] = sign(key, step, written["files"])
+    files.write_atomic(files.join(root, into), json.dumps(written, sort_keys=True))
     return written
 
 
-def read(root: str) -> dict | None:
-    """The record in `root`, or None where the step has none (written before records)."""
-    path = files.join(root, RECORD)
+def read(root: str, name: str = RECORD) -> dict | None:
+    """The record `name` in `root`, or None where the step has none (written before
+    records)."""
+    path = files.join(root, name)
     try:
         text = files.read_text(path)
     except FileNotFoundError:
@@ -142,18 +239,41 @@ def read(root: str) -> dict | None:
         found = json.loads(text)
         found["files"].items()  # noqa: B018 - the shape is what is checked.
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise Damaged(RECORD, f"unreadable ({type(error).__name__}: {error})") from error
+        raise Damaged(name, f"unreadable ({type(error).__name__}: {error})") from error
     return found
 
 
-def verify(root: str, recorded: dict | None = None) -> bool:
+def verify(
+    root: str,
+    recorded: dict | None = None,
+    key: bytes | None = None,
+    step: int | None = None,
+    present: list[str] | None = None,
+    name: str = RECORD,
+) -> bool:
     """Check every file the record of `root` lists (`recorded`, else the one in `root`):
     True when all match, False where `root` has no record (nothing to check against).
 
+    With `key`: the record must be signed for step `step` (`authenticate`), and the files
+    `present` in the step (default: every file under `root` but the record) must all be
+    listed in it: a file added beside the signed ones is refused too. `name`: the record's
+    name in messages.
+
     Raises:
+        Tampered: with `key`, as `authenticate`, or a file the record does not list.
         Damaged: the first file that is missing, or whose size or CRC32C differs.
     """
     recorded = read(root) if recorded is None else recorded
+    if key is not None:
+        authenticate(recorded, key, step, name)
+        present = names_under(root) if present is None else present
+        unlisted = sorted(set(present) - set(recorded["files"]))
+        if unlisted:
+            raise Tampered(
+                unlisted[0],
+                "is in the step but not in its signed record: added after the step was "
+                "signed; refused as tampered",
+            )
     if recorded is None:
         return False
     for name, expected in sorted(recorded["files"].items()):

@@ -113,8 +113,9 @@ def damaged_warning(
         if where is not None
         else f"It could not be set aside ({why_not_moved}): move it away by hand"
     )
+    state = "refused as tampered" if getattr(damage, "tampered", False) else "damaged"
     return (
-        f"BackupAndRestore: the backup of step {step} in {backup_dir!r} is damaged: "
+        f"BackupAndRestore: the backup of step {step} in {backup_dir!r} is {state}: "
         f"{damage.file}: {damage.mismatch}. {kept}. Resuming from step {intact}, the newest "
         "intact backup."
     )

@@ -76,8 +76,20 @@ class Engine:
     name what one step wrote in their directory.
     """
 
-    def __init__(self, module, directory: str, max_to_keep: int, asynchronous: bool):
+    def __init__(
+        self,
+        module,
+        directory: str,
+        max_to_keep: int,
+        asynchronous: bool,
+        signing_key: bytes | None = None,
+    ):
+        """`signing_key`: the marker is signed (`checksums.sign`, over the step and every
+        file it lists, the engine's metadata included), and a restore refuses a step whose
+        marker is unsigned or does not verify. Only listed files are downloaded, so a file
+        added to a prefix is never read."""
         self.module = module
+        self._key = signing_key
         self.name = module.NAME
         self.directory = directory.rstrip("/")
         self.max_to_keep = max_to_keep
@@ -192,6 +204,8 @@ class Engine:
                 sizes.update(told["files"])
                 crcs.update(told.get(checksums.ALGORITHM, {}))
             marker = {"files": sizes, checksums.ALGORITHM: crcs}
+            if self._key is not None:
+                marker[checksums.SIGNATURE] = checksums.sign(self._key, step, _entries(sizes, crcs))
             files.write_atomic(files.join(target, MARKER), json.dumps(marker))
         except BaseException:
             _remove_tree(target)
@@ -252,6 +266,10 @@ class Engine:
                 path = self.path(step)
                 marker = self._marker(step)
                 listed, crcs = marker["files"], marker.get(checksums.ALGORITHM)
+                if self._key is not None:
+                    signed = {checksums.SIGNATURE: marker.get(checksums.SIGNATURE)}
+                    signed["files"] = _entries(listed, crcs or {})
+                    checksums.authenticate(signed, self._key, step, MARKER)
                 # The chief's files first: a file that other processes wrote too (the
                 # step's metadata) is the chief's; their own (shards) are added.
                 for name in sorted(listed, key=lambda name: name.startswith("process-")):
@@ -349,6 +367,13 @@ class Engine:
             self._fetched.clear()
             self._local.close()
             shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _entries(sizes: dict, crcs: dict) -> dict:
+    """A marker's files as a record's entries (`{name: {"size", "crc32c"}}`), as signed."""
+    return {
+        name: {"size": size, checksums.ALGORITHM: crcs.get(name)} for name, size in sizes.items()
+    }
 
 
 def _remove_orphans() -> None:

@@ -37,8 +37,11 @@ An engine opened on a directory answers:
   record to check against (a step written before records). It also reads the metadata the
   engine's library would read, without running anything from it (DCP's `.metadata`
   through an allow-list unpickler, `dcp_metadata`; Orbax's JSON): a file that could run
-  code or is not what the library writes there is damage too. `set_aside(step)` moves a
-  damaged step under `damaged/`, out of every listing, and returns where it is now;
+  code or is not what the library writes there is damage too. An engine opened with a
+  `signing_key` signs each record for its step and raises `checksums.Tampered` (a
+  `Damaged`) where a step's record is missing, unsigned or does not verify.
+  `set_aside(step)` moves a damaged step under `damaged/`, out of every listing, and
+  returns where it is now;
 - a failed save (a full disk) raises from `save` or `wait`, once, with its files removed;
 - `path(step)` and `files(step)` (the arrays and the record, for Keras's `_weights_path`);
 - `interrupted`: the numbers of saves found uncommitted when it opened (a process killed
@@ -71,14 +74,19 @@ def engine_module(backend: str):
     return importlib.import_module(f"keras_accel.state.engines.{name}")
 
 
-def open_engine(backend, directory: str, max_to_keep: int, asynchronous: bool):
+def open_engine(
+    backend, directory: str, max_to_keep: int, asynchronous: bool, signing_key: bytes | None = None
+):
     """An engine on `directory` for a backend (or an engine module): the module's own where
     it writes that scheme itself, else one staged through the local disk and uploaded with
-    fsspec (`keras_accel.state.staged`: Orbax and tf.train on s3://)."""
+    fsspec (`keras_accel.state.staged`: Orbax and tf.train on s3://). `signing_key`: every
+    step's record signed, and a step without a record that verifies refused
+    (`keras_accel.state.checksums`)."""
     module = engine_module(backend) if isinstance(backend, str) else backend
     native = getattr(module, "native", None)
+    key = {} if signing_key is None else {"signing_key": signing_key}
     if native is not None and not native(directory):
         from keras_accel.state import staged
 
-        return staged.Engine(module, directory, max_to_keep, asynchronous)
-    return module.Engine(directory, max_to_keep, asynchronous)
+        return staged.Engine(module, directory, max_to_keep, asynchronous, **key)
+    return module.Engine(directory, max_to_keep, asynchronous, **key)

@@ -94,6 +94,7 @@ class Engine:
         asynchronous: bool,
         per_process: bool = False,
         record: bool = True,
+        signing_key: bytes | None = None,
     ):
         """`per_process`: `directory` is this process's own (a staging directory, or a
         download of a staged step), not one that every process sees. Orbax's primary host
@@ -111,8 +112,14 @@ class Engine:
         the commit marker on gs://): a step is committed with its record or not at all.
         Only Orbax's asynchronous checkpointer runs that callback, so with `record` every
         save is asynchronous and `asynchronous=False` waits for it. The staged path records
-        the files in its own marker instead (`record=False` there)."""
+        the files in its own marker instead (`record=False` there).
+
+        `signing_key`: sign each record for its step, and refuse at `verify` a step whose
+        record is missing, unsigned or does not verify (`checksums.verify`). The files
+        Orbax rewrites at its commit, after the record (`_UNRECORDED`), stay outside it:
+        see docs/callbacks.md, "Signed backups", for why they are safe."""
         self.directory = files.local_path(directory)
+        self._key = signing_key
         self.asynchronous = asynchronous
         self.record = record
         self._writing: int | None = None  # The step of the save in flight.
@@ -157,7 +164,8 @@ class Engine:
     def _seal(self) -> None:
         """Orbax's post-finalization callback (its writer thread, on the primary host): the
         record of the step's files, written into the step before Orbax commits it."""
-        checksums.seal(self._unfinished(self._writing), skip=_UNRECORDED)
+        step = self._writing
+        checksums.seal(self._unfinished(step), skip=_UNRECORDED, key=self._key, step=step)
 
     def _unfinished(self, step: int) -> str:
         """Where Orbax writes step `step` before it commits it: locally the temporary
@@ -235,10 +243,13 @@ class Engine:
 
         Raises:
             checksums.Damaged: a file differs from the record, or is gone, or a metadata
-                file is not JSON (a disk's fault, or a file planted there).
+                file is not JSON (a disk's fault, or a file planted there);
+                `checksums.Tampered` with a signing key, where the record is missing,
+                unsigned or forged, or lists not every file.
         """
         path = self.path(step)
-        recorded = checksums.verify(path)
+        present = checksums.names_under(path, skip=_UNRECORDED)
+        recorded = checksums.verify(path, key=self._key, step=step, present=present)
         for name in checksums.names_under(path):
             if name.rsplit("/", 1)[-1] in _JSON:
                 _check_json(files.join(path, *name.split("/")), name)

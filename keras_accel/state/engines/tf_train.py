@@ -4,6 +4,12 @@ A damaged checkpoint is caught by TensorFlow's own checksums (each tensor's CRC3
 index, each index block's), so no record of ours is written: `verify` reads the step
 through TensorFlow's reader before a restore, and raises `checksums.Damaged` naming the
 file and TensorFlow's words for what differs.
+
+With a signing key, TensorFlow's checksums are not enough (anyone can rewrite a tensor and
+its CRC32C in the index): each step gets a signed record of ours,
+`ckpt-N.keras_accel.checksums.json` beside its files (`keras_accel.state.checksums`),
+written by TensorFlow's write callback (its writer thread, once the index is written, before
+the manager lists the step in its state file), and checked before TensorFlow's own checks.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ _NOT_A_TABLE = ("not an sstable", "too short to be an sstable")
 _NUMBER = re.compile(rf"^{PREFIX}-(\d+)$")
 _TEMP = re.compile(rf"^{PREFIX}-(\d+)_temp")
 _DATA = re.compile(rf"^{PREFIX}-(\d+)\.data-")
+RECORD = f".{checksums.RECORD}"  # `ckpt-N` + this: step N's signed record (with a key).
 
 
 def native(path: str) -> bool:
@@ -88,8 +95,17 @@ def _gfile_schemes() -> set[str]:
 class Engine:
     name = NAME
 
-    def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int,
+        asynchronous: bool,
+        signing_key: bytes | None = None,
+    ):
+        """`signing_key`: write each step's signed record, and refuse at `verify` a step
+        whose record is missing, unsigned or does not verify."""
         self.directory = files.local_path(directory)
+        self._key = signing_key
         # A save that a kill interrupted leaves `ckpt-N_temp` (the shards, before TensorFlow
         # merges them), or, killed while merging, `ckpt-N.data-*` without `ckpt-N.index`
         # (written last): never listed as a checkpoint (the state file names complete ones
@@ -136,12 +152,44 @@ class Engine:
         self.wait()  # TF's save waits for the previous write too; the record is shared.
         self._meta.value = json.dumps(meta)
         self._writing = step
+        options = self.options
+        if self._key is not None and self._scratch is None:
+            # A fresh list each save: the manager appends its own callback to the list of
+            # a shallow copy of the options, which would keep every earlier save's.
+            options = tf.train.CheckpointOptions(
+                experimental_enable_async_checkpoint=self.options.experimental_enable_async_checkpoint,
+                experimental_write_callbacks=[self._sealer(step)],
+            )
         try:
-            self._manager.save(checkpoint_number=step, options=self.options)
+            self._manager.save(checkpoint_number=step, options=options)
         except BaseException:
             self._writing = None
             self._discard(step)
             raise
+
+    def _sealer(self, step: int):
+        """TensorFlow's write callback for step `step` (one argument, the path, as TF
+        requires), run in its writer thread once the files are written and before the
+        manager lists the step: the step's signed record."""
+
+        def seal(_path):
+            checksums.seal(
+                self.directory,
+                key=self._key,
+                step=step,
+                names=self._names(step),
+                into=self._record(step),
+            )
+
+        return seal
+
+    def _record(self, step: int) -> str:
+        return f"{PREFIX}-{int(step)}{RECORD}"
+
+    def _names(self, step: int) -> list[str]:
+        """The names of step `step`'s files in the directory, its record left out."""
+        found = (os.path.basename(p) for p in tf.io.gfile.glob(f"{self._path(step)}.*"))
+        return sorted(name for name in found if name != self._record(step))
 
     def path(self, step: int) -> str:
         return self._path(step)
@@ -206,9 +254,22 @@ class Engine:
         waiting for the values it never assigned, which warn of them, a line each, when the
         process ends ("... is being deleted with unrestored values").
 
+        With a signing key, the step's signed record is checked first.
+
         Raises:
-            checksums.Damaged: a file is damaged (named, with TensorFlow's words).
+            checksums.Damaged: a file is damaged (named, with TensorFlow's words);
+                `checksums.Tampered` with a signing key, where the record is missing,
+                unsigned or forged, or lists not every file of the step.
         """
+        if self._key is not None:
+            checksums.verify(
+                self.directory,
+                checksums.read(self.directory, self._record(step)),
+                key=self._key,
+                step=step,
+                present=self._names(step),
+                name=self._record(step),
+            )
         with self._damaged_as(step):
             reader = tf.train.load_checkpoint(self._path(step))
             for name in reader.get_variable_to_dtype_map():

@@ -91,8 +91,19 @@ def supports(path: str) -> bool:
 class Engine:
     name = NAME
 
-    def __init__(self, directory: str, max_to_keep: int, asynchronous: bool):
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int,
+        asynchronous: bool,
+        signing_key: bytes | None = None,
+    ):
+        """`signing_key`: sign each step's record for its step, over every file of the step
+        `.metadata` included (the record is then written just after DCP's commit, see
+        `_writer`), and refuse at `verify` a step whose record is missing, unsigned or
+        does not verify."""
         self.directory = files.local_path(directory)
+        self._key = signing_key
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
         self._pending = None  # (step, future) of the save in flight.
@@ -143,7 +154,7 @@ class Engine:
                 self._failed(step)  # An empty `dcp-N` would read as a killed save.
                 raise
         state = {key: _tensor(variable) for key, variable in variables.items()}
-        writer = _writer(path)
+        writer = _writer(path, step, self._key)
         alone = not self._distributed()
         if self.asynchronous:
             if alone:
@@ -195,9 +206,10 @@ class Engine:
         Raises:
             checksums.Damaged: a file differs from the record, or is gone;
                 `dcp_metadata.Refused` where `.metadata` names anything no DCP index is
-                made of (nothing of it run).
+                made of (nothing of it run); `checksums.Tampered` with a signing key,
+                where the record is missing, unsigned or forged, or lists not every file.
         """
-        recorded = checksums.verify(self.path(step))
+        recorded = checksums.verify(self.path(step), key=self._key, step=step)
         dcp_metadata.read(self.path(step))
         return recorded
 
@@ -371,7 +383,7 @@ def _tensor(variable) -> torch.Tensor:
     return value.detach()
 
 
-def _writer(path: str):
+def _writer(path: str, step: int, key: bytes | None):
     if files.is_remote(path):
         writer = library_internals.dcp_fsspec_writer(path)
     else:
@@ -381,8 +393,16 @@ def _writer(path: str):
     def recorded_finish(*args, **kwargs):
         # DCP's coordinator, once every process has written its share and before DCP's
         # commit (`.metadata`): a committed step always has its checksum record.
-        checksums.seal(path, skip=(COMMIT,))
-        return finish(*args, **kwargs)
+        if key is None:
+            checksums.seal(path, skip=(COMMIT,))
+            return finish(*args, **kwargs)
+        # Signed: `.metadata` too, whose index says which bytes are which tensor (swapping
+        # two same-shaped tensors' offsets changes no data file). So the record follows
+        # DCP's commit; a step killed between the two has none, and is refused with the
+        # key (the step before it restores).
+        done = finish(*args, **kwargs)
+        checksums.seal(path, key=key, step=step)
+        return done
 
     # On the object, not a subclass: the writer class is DCP's (or fsspec's, reached
     # through library_internals), and `finish` is the public StorageWriter hook.
