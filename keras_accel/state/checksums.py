@@ -23,16 +23,21 @@ files back.
 
 **Signed records.** A CRC32C finds damage, not tampering: anyone who can write the folder
 can change a file and re-seal its record. With a signing key (`BackupAndRestore(...,
-signing_key=...)`, or `KERAS_ACCEL_SIGNING_KEY`), the record also holds
-`"hmac-sha256"`: an HMAC-SHA256, under the key, of the step number and every recorded
-file's name, size and CRC32C (`sign`). A restore with the key (`verify(..., key=, step=)`)
-refuses, as `Tampered` (a `Damaged`, so the step is set aside as damaged ones are): a step
-without a record, a record without a signature or whose signature does not verify for
-this step (re-sealed without the key, signed with another, or copied from another step),
-and any file of the step the record does not list. A file changed under a genuine
-record fails its CRC32C; changing the record to match needs a new signature, which needs
-the key. The key is never written or logged, and signatures are compared in constant time
-(`hmac.compare_digest`). Without a key nothing is signed or checked: records are as before.
+signing_key=...)`, or `KERAS_ACCEL_SIGNING_KEY`) the record also holds each file's SHA-256
+and `"hmac-sha256"`: an HMAC-SHA256, under the key, of the step number and every recorded
+file's name, size, CRC32C and SHA-256 (`sign`). A CRC32C alone under a signature would not
+do: it is linear, and four chosen bytes give any changed file the CRC32C of the original,
+so a file could be swapped under a genuine signed record. The SHA-256 is computed in the
+same read as the CRC32C, at about 1-2 GB/s instead of 12.7 (docs/benchmarks.md); on GCS
+signed files are read back instead of taking the objects' CRC32C from their metadata.
+
+A restore with the key (`verify(..., key=, step=)`) refuses as `Tampered` (a `Damaged`, so
+the step is set aside as damaged ones are): a step without a record, a record without a
+signature or whose signature does not verify for this step (re-sealed without the key,
+signed with another, or copied from another step), a file of the step the record does not
+list, and a file whose SHA-256 differs from the signed one. The key is never written or
+logged, and signatures are compared with `hmac.compare_digest`. Without a key nothing is
+signed or checked: records are as before.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from keras_accel.state import files
 
 RECORD = "keras_accel.checksums.json"
 ALGORITHM = "crc32c"
+STRONG = "sha256"  # Each file's SHA-256, recorded beside its CRC32C where records are signed.
 SIGNATURE = "hmac-sha256"  # The record's field holding its HMAC, when signed.
 KEY_VARIABLE = "KERAS_ACCEL_SIGNING_KEY"  # The signing key, for launchers.
 # Where a damaged step is kept, out of every engine's listing: `<backup_dir>/damaged/`.
@@ -141,19 +147,21 @@ def authenticate(recorded: dict | None, key: bytes, step: int, name: str = RECOR
         )
 
 
-def digest(path: str) -> dict:
-    """`{"size": bytes, "crc32c": "<8 hex digits>"}` of the file `path` (local or a URL).
+def digest(path: str, strong: bool = False) -> dict:
+    """`{"size": bytes, "crc32c": "<8 hex digits>"}` of the file `path` (local or a URL),
+    and with `strong` its `"sha256"` too, from the same read.
 
     On GCS the object's own CRC32C, which GCS computes from the bytes it stores (and checks
     each upload against), is read from its metadata: the same number, without downloading
     the object (a step of several GB read back after every save, and again before a
-    restore). Elsewhere the file is read."""
-    if files.scheme(path) in ("gs", "gcs"):
+    restore). Elsewhere, and for a SHA-256, the file is read."""
+    if files.scheme(path) in ("gs", "gcs") and not strong:
         stored = files.info(path)
         if stored.get("crc32c"):
             crc = base64.b64decode(stored["crc32c"]).hex()
             return {"size": int(stored["size"]), ALGORITHM: crc}
     checksum = google_crc32c.Checksum()
+    sha = hashlib.sha256() if strong else None
     size = 0
     with _open(path) as f:
         while True:
@@ -161,8 +169,13 @@ def digest(path: str) -> dict:
             if not chunk:
                 break
             checksum.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
             size += len(chunk)
-    return {"size": size, ALGORITHM: checksum.digest().hex()}
+    found = {"size": size, ALGORITHM: checksum.digest().hex()}
+    if sha is not None:
+        found[STRONG] = sha.hexdigest()
+    return found
 
 
 def digest_bytes(data: bytes) -> str:
@@ -202,11 +215,11 @@ def names_under(root: str, skip: tuple[str, ...] = ()) -> list[str]:
     )
 
 
-def record(root: str, names: list[str]) -> dict:
-    """The record of the files `names` under `root`."""
+def record(root: str, names: list[str], strong: bool = False) -> dict:
+    """The record of the files `names` under `root` (with `strong`: their SHA-256 too)."""
     return {
         "algorithm": ALGORITHM,
-        "files": {name: digest(files.join(root, *name.split("/"))) for name in names},
+        "files": {name: digest(files.join(root, *name.split("/")), strong) for name in names},
     }
 
 
@@ -220,7 +233,7 @@ def seal(
 ) -> dict:
     """Write the record of every file under `root` (but `skip`; or of the files `names`)
     into `root/into`, atomically, signed for step `step` where `key` is given; returns it."""
-    written = record(root, names_under(root, skip) if names is None else names)
+    written = record(root, names_under(root, skip) if names is None else names, key is not None)
     if key is not None:
         written[SIGNATURE] = sign(key, step, written["files"])
     files.write_atomic(files.join(root, into), json.dumps(written, sort_keys=True))
@@ -283,13 +296,15 @@ def verify(
 
 def check(path: str, name: str, expected: dict) -> None:
     """Compare the file `path` (named `name` in messages) with its recorded entry (its size
-    alone where the entry has no CRC32C: a staged marker written before they were recorded).
+    alone where the entry has no CRC32C: a staged marker written before they were recorded;
+    its SHA-256 too where the entry has one: a signed record).
 
     Raises:
-        Damaged: it is missing, or its size or CRC32C differs.
+        Damaged: it is missing, or its size, CRC32C or SHA-256 differs.
     """
+    strong = expected.get(STRONG) is not None
     try:
-        found = digest(path)
+        found = digest(path, strong)
     except FileNotFoundError as error:
         raise Damaged(name, "missing") from error
     if found["size"] != expected["size"]:
@@ -299,6 +314,12 @@ def check(path: str, name: str, expected: dict) -> None:
             name,
             f"CRC32C {found[ALGORITHM]} where its commit recorded {expected[ALGORITHM]} "
             f"(same size, {found['size']} bytes)",
+        )
+    if strong and not hmac.compare_digest(found[STRONG], str(expected[STRONG])):
+        raise Tampered(
+            name,
+            f"SHA-256 {found[STRONG]} where its signed record says {expected[STRONG]} (same "
+            f"size and CRC32C: a file made to match the CRC32C); refused as tampered",
         )
 
 

@@ -159,31 +159,34 @@ class Engine:
         if me != 0:
             # Whatever happens here, the chief hears it (it waits for every process).
             try:
-                sizes, crcs = self._upload_files(step, entries, f"process-{me}")
+                sizes, crcs, shas = self._upload_files(step, entries, f"process-{me}")
             except BaseException as error:
                 client.key_value_set(f"{key}/{me}", json.dumps({"error": repr(error)}), True)
                 raise
-            told = {"files": sizes, checksums.ALGORITHM: crcs}
+            told = {"files": sizes, checksums.ALGORITHM: crcs, checksums.STRONG: shas}
             client.key_value_set(f"{key}/{me}", json.dumps(told), True)
             return
         self._commit(step, entries, key)
 
     def _upload_files(
         self, step: int, entries: list[str], under: str = ""
-    ) -> tuple[dict[str, int], dict[str, str]]:
+    ) -> tuple[dict[str, int], dict[str, str], dict[str, str]]:
         """Upload step `step`'s local files (under the step's prefix, in `under` there):
-        ({their names in the prefix: sizes}, {their names: CRC32Cs}), read from the local
-        files before they leave (this is the upload thread, not the training thread)."""
+        ({their names in the prefix: sizes}, {names: CRC32Cs}, {names: SHA-256s, with a
+        signing key}), read from the local files before they leave (this is the upload
+        thread, not the training thread)."""
         target = self.path(step)
-        sizes, crcs = {}, {}
+        sizes, crcs, shas = {}, {}, {}
         for entry in entries:
             for relative in _walk(self._staging, entry):
                 local = os.path.join(self._staging, relative)
                 name = "/".join(([under] if under else []) + relative.split(os.sep))
-                digest = checksums.digest(local)
+                digest = checksums.digest(local, strong=self._key is not None)
                 files.upload(local, files.join(target, *name.split("/")))
                 sizes[name], crcs[name] = digest["size"], digest[checksums.ALGORITHM]
-        return sizes, crcs
+                if checksums.STRONG in digest:
+                    shas[name] = digest[checksums.STRONG]
+        return sizes, crcs, shas
 
     def _commit(self, step: int, entries: list[str], key: str | None = None) -> None:
         """Upload step `step`'s local files, then (with `key`: once every other process said
@@ -191,7 +194,7 @@ class Engine:
         target = self.path(step)
         client = process.coordination_client() if key else None
         try:
-            sizes, crcs = self._upload_files(step, entries)
+            sizes, crcs, shas = self._upload_files(step, entries)
             for other in range(1, process.num_processes()) if key else ():
                 told = json.loads(client.blocking_key_value_get(f"{key}/{other}", _WAIT_S * 1000))
                 # Read once: the coordination service keeps no more than a save in flight.
@@ -266,9 +269,10 @@ class Engine:
                 path = self.path(step)
                 marker = self._marker(step)
                 listed, crcs = marker["files"], marker.get(checksums.ALGORITHM)
+                shas = marker.get(checksums.STRONG) or {}
                 if self._key is not None:
                     signed = {checksums.SIGNATURE: marker.get(checksums.SIGNATURE)}
-                    signed["files"] = _entries(listed, crcs or {})
+                    signed["files"] = _entries(listed, crcs or {}, shas)
                     checksums.authenticate(signed, self._key, step, MARKER)
                 # The chief's files first: a file that other processes wrote too (the
                 # step's metadata) is the chief's; their own (shards) are added.
@@ -289,6 +293,8 @@ class Engine:
                     # page cache, instead of a second download. Markers written before
                     # CRC32Cs were recorded have the sizes alone.
                     expected = {"size": listed[name], checksums.ALGORITHM: (crcs or {}).get(name)}
+                    if self._key is not None:  # What the signature covers.
+                        expected[checksums.STRONG] = shas.get(name)
                     checksums.check(target, name, expected)
                 reader = self.module.Engine(local, 1, asynchronous=False, **self._options)
             except BaseException:
@@ -369,10 +375,12 @@ class Engine:
             shutil.rmtree(self._staging, ignore_errors=True)
 
 
-def _entries(sizes: dict, crcs: dict) -> dict:
-    """A marker's files as a record's entries (`{name: {"size", "crc32c"}}`), as signed."""
+def _entries(sizes: dict, crcs: dict, shas: dict) -> dict:
+    """A marker's files as a signed record's entries (`{name: {"size", "crc32c",
+    "sha256"}}`): what the marker's signature covers."""
     return {
-        name: {"size": size, checksums.ALGORITHM: crcs.get(name)} for name, size in sizes.items()
+        name: {"size": size, checksums.ALGORITHM: crcs.get(name), checksums.STRONG: shas.get(name)}
+        for name, size in sizes.items()
     }
 
 

@@ -127,6 +127,48 @@ def test_a_changed_file_under_a_resealed_record_is_refused(signed, tmp_path):
     refused(messages, backup_dir, "its HMAC-SHA256 does not verify for step 8 under the signing")
 
 
+def _crc32c_patch(data: bytes, wanted: int) -> bytes:
+    """4 bytes that, appended to `data`, make its CRC32C `wanted`: CRC32C is linear, which is
+    why a signed record signs each file's SHA-256 too."""
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    by_top = {c >> 24: i for i, c in enumerate(table)}
+    indices, register = [], wanted ^ 0xFFFFFFFF
+    for _ in range(4):  # Backwards from the wanted register: which table entries it needs.
+        index = by_top[register >> 24]
+        indices.append(index)
+        register = ((register ^ table[index]) << 8) & 0xFFFFFFFF
+    register = int(checksums.digest_bytes(data), 16) ^ 0xFFFFFFFF
+    patch = bytearray()
+    for index in reversed(indices):  # Forwards: the bytes that pick those entries.
+        patch.append((register ^ index) & 0xFF)
+        register = (register >> 8) ^ table[index]
+    return bytes(patch)
+
+
+def test_a_changed_file_with_the_same_crc32c_under_a_genuine_record_is_refused(signed, tmp_path):
+    backup_dir, (_, newest) = copy(signed, tmp_path)
+    data = max(step_files(newest), key=os.path.getsize)
+    with open(data, "rb") as f:
+        original = f.read()
+    changed = bytearray(original[:-4])
+    half = len(changed) // 2
+    changed[half : half + 16] = bytes(b ^ 0xFF for b in changed[half : half + 16])
+    forged = bytes(changed) + _crc32c_patch(
+        bytes(changed), int(checksums.digest_bytes(original), 16)
+    )
+    assert checksums.digest_bytes(forged) == checksums.digest_bytes(original)
+    assert len(forged) == len(original) and forged != original
+    with open(data, "wb") as f:
+        f.write(forged)
+    messages = resume(backup_dir, signed[2], signing_key=KEY)
+    refused(messages, backup_dir, "(same size and CRC32C: a file made to match the CRC32C)")
+
+
 def test_an_older_step_copied_over_a_newer_is_refused(signed, tmp_path):
     backup_dir, (older, newest) = copy(signed, tmp_path)
     if os.path.isdir(newest):
