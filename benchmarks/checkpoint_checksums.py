@@ -15,8 +15,12 @@ disk, each backend in its own process, the two configurations in turn in every r
   through TensorFlow's checkpoint reader).
 
 "Without" replaces `checksums.seal` and the engines' `verify` by no-ops for the run.
+`--configs with,signed` compares CRC32C records with signed ones instead
+(`BackupAndRestore(signing_key=...)`: each file's SHA-256 beside its CRC32C, and an
+HMAC-SHA256 of them; the record alone is then timed with the SHA-256).
 
     python benchmarks/checkpoint_checksums.py --backends jax,tensorflow,torch
+    python benchmarks/checkpoint_checksums.py --backends jax,tensorflow,torch --configs with,signed
 
 Prints a Markdown table; `--json PATH` also writes the figures.
 """
@@ -36,7 +40,8 @@ import time
 from _child import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = ("without", "with")
+CONFIGS = ("without", "with")  # Or ("with", "signed"): `--configs`.
+KEY = b"keras_accel benchmark signing key"
 
 
 @contextlib.contextmanager
@@ -53,8 +58,8 @@ def _unchecked(enabled: bool):
     module = engine_module(keras.backend.backend())
     seal, verify = checksums.seal, checksums.verify
     engine_verify = module.Engine.verify
-    checksums.seal = lambda root, skip=(): None
-    checksums.verify = lambda root, recorded=None: False
+    checksums.seal = lambda *args, **kwargs: None
+    checksums.verify = lambda *args, **kwargs: False
     module.Engine.verify = lambda self, step: False
     try:
         yield
@@ -78,17 +83,22 @@ def measure(args) -> dict:
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
         for v in list(model.variables) + list(model.optimizer.variables)
     )
+    configs = tuple(args.configs.split(","))
     times: dict[str, dict[str, list[float]]] = {
         config: {"save": [], "background_commit": [], "background_blocks": [], "restore": []}
-        for config in CONFIGS
+        for config in configs
     }
     record_s: list[float] = []  # The record of a step's files, alone.
     verify_s: list[float] = []  # The check before a restore, alone.
     root = tempfile.mkdtemp(prefix="keras_accel-bench-")
 
-    def backup(directory, background):
+    def backup(directory, background, config):
         callback = BackupAndRestore(
-            directory, save_on_background=background, delete_checkpoint=False, max_to_keep=2
+            directory,
+            save_on_background=background,
+            delete_checkpoint=False,
+            max_to_keep=2,
+            signing_key=KEY if config == "signed" else None,
         )
         callback.set_model(model)
         callback.set_params({"epochs": 2, "steps": 10, "verbose": 0})
@@ -96,16 +106,16 @@ def measure(args) -> dict:
 
     try:
         for round_ in range(args.rounds):
-            for config in CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]:
+            for config in configs if round_ % 2 == 0 else configs[::-1]:
                 with _unchecked(config == "without"):
                     directory = os.path.join(root, f"{config}-{round_}")
-                    blocking = backup(directory, background=False)
+                    blocking = backup(directory, background=False, config=config)
                     started = time.perf_counter()
                     path = blocking.save(1, 0)
                     times[config]["save"].append(time.perf_counter() - started)
                     blocking._close()
 
-                    background = backup(directory + "-bg", background=True)
+                    background = backup(directory + "-bg", background=True, config=config)
                     started = time.perf_counter()
                     background.save(1, 0)
                     times[config]["background_blocks"].append(time.perf_counter() - started)
@@ -113,21 +123,21 @@ def measure(args) -> dict:
                     times[config]["background_commit"].append(time.perf_counter() - started)
                     background._close()
 
-                    restoring = backup(directory, background=False)
+                    restoring = backup(directory, background=False, config=config)
                     started = time.perf_counter()
                     assert restoring.restore()
                     times[config]["restore"].append(time.perf_counter() - started)
-                    if config == "with":
+                    if config == configs[1]:
                         engine = restoring._open()
                         step = engine.steps()[-1]
                         started = time.perf_counter()
                         engine.verify(step)
                         verify_s.append(time.perf_counter() - started)
                     restoring._close()
-                    if config == "with" and keras.backend.backend() != "tensorflow":
+                    if config == configs[1] and keras.backend.backend() != "tensorflow":
                         names = checksums.names_under(path, skip=("_CHECKPOINT_METADATA",))
                         started = time.perf_counter()
-                        checksums.record(path, names)
+                        checksums.record(path, names, strong=config == "signed")
                         record_s.append(time.perf_counter() - started)
                 shutil.rmtree(os.path.join(root, f"{config}-{round_}"), ignore_errors=True)
                 shutil.rmtree(os.path.join(root, f"{config}-{round_}-bg"), ignore_errors=True)
@@ -142,6 +152,7 @@ def measure(args) -> dict:
         "parameters": model.count_params(),
         "state_bytes": state_bytes,
         "rounds": args.rounds,
+        "configs": configs,
         "seconds": median,
         "record_s": statistics.median(record_s) if record_s else None,
         "verify_s": statistics.median(verify_s),
@@ -153,17 +164,20 @@ def main() -> int:
     parser.add_argument("--backends", default="jax,tensorflow,torch")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="without,with or with,signed")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args)))
         return 0
     script = os.path.join(HERE, "checkpoint_checksums.py")
-    rows = [run_child(script, b, [f"--rounds={args.rounds}"]) for b in args.backends.split(",")]
+    extra = [f"--rounds={args.rounds}", f"--configs={args.configs}"]
+    rows = [run_child(script, b, extra) for b in args.backends.split(",")]
+    first, second = args.configs.split(",")
     print(
-        "| backend | state MiB | blocking save, s: without / with | background save, until "
-        "committed | background save, training thread held | restore, s: without / with | "
-        "the record alone, s | the check alone, s |"
+        f"| backend | state MiB | blocking save, s: {first} / {second} | background save, until "
+        f"committed | background save, training thread held | restore, s: {first} / {second} | "
+        f"the record alone ({second}), s | the check alone ({second}), s |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -173,7 +187,7 @@ def main() -> int:
         s = row["seconds"]
 
         def pair(kind, s=s):
-            without, with_ = s["without"][kind], s["with"][kind]
+            without, with_ = s[first][kind], s[second][kind]
             return f"{without:.3f} / {with_:.3f} ({with_ / without - 1:+.0%})"
 
         record = "-" if row["record_s"] is None else f"{row['record_s']:.3f}"

@@ -19,7 +19,9 @@ Layout: checkpoint `N` is the directory `<backup_dir>/dcp-N` holding DCP's files
   by `steps()`. Just before, in DCP's `finish` on the coordinator (the thread that writes,
   once every process wrote its share), the chief records every file's size and CRC32C in
   `keras_accel.checksums.json` (`keras_accel.state.checksums`), which a restore checks
-  first: DCP itself reads a damaged byte back without a word. A process killed while
+  first: DCP itself reads a damaged byte back without a word. With a signing key the
+  record is signed and covers `.metadata` too, so it is written just after DCP's commit
+  instead (`_writer`). A process killed while
   writing leaves a `dcp-N` without `.metadata`: found when an engine opens the directory
   (`interrupted`) and removed by the chief. Deleting a
   checkpoint removes its `.metadata` first, so a deletion that a kill interrupts leaves no
