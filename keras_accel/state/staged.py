@@ -206,9 +206,13 @@ class Engine:
                     )
                 sizes.update(told["files"])
                 crcs.update(told.get(checksums.ALGORITHM, {}))
+                shas.update(told.get(checksums.STRONG, {}))
             marker = {"files": sizes, checksums.ALGORITHM: crcs}
             if self._key is not None:
-                marker[checksums.SIGNATURE] = checksums.sign(self._key, step, _entries(sizes, crcs))
+                marker[checksums.STRONG] = shas
+                marker[checksums.SIGNATURE] = checksums.sign(
+                    self._key, step, _entries(sizes, crcs, shas)
+                )
             files.write_atomic(files.join(target, MARKER), json.dumps(marker))
         except BaseException:
             _remove_tree(target)

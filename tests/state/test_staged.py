@@ -163,3 +163,43 @@ def test_the_staging_directory_of_a_killed_process_is_removed(backend):
     finally:
         engine.close()
     assert not os.path.exists(engine._staging)
+
+
+def test_a_signed_backup_on_s3_restores_and_an_unsigned_marker_is_refused(s3_bucket, backend):
+    import json
+
+    from keras_accel.state import checksums
+
+    url = f"{s3_bucket}/signed"
+    step, marker = LAYOUT[backend]
+    record = "COMMITTED" if marker == "COMMITTED" else checksums.RECORD
+    x, y = _data()
+    key = b"staged signing key"
+    model = _model()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[BackupAndRestore(url, delete_checkpoint=False, signing_key=key)],
+    )
+    # Signed: every file's SHA-256, and the HMAC (staged markers and DCP's record alike).
+    newest = f"{url}/{step.format(8)}/{record}"
+    signed = json.loads(files.read_text(newest))
+    assert checksums.SIGNATURE in signed
+    del signed[checksums.SIGNATURE]  # Re-written by someone without the key.
+    files.write_atomic(newest, json.dumps(signed))
+    with pytest.warns(UserWarning, match="refused as tampered") as caught:
+        history = _model().fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=3,
+            verbose=0,
+            callbacks=[BackupAndRestore(url, signing_key=key)],
+        )
+    (warning,) = [str(w.message) for w in caught if "tampered" in str(w.message)]
+    assert f"the backup of step 8 in {url!r} is refused as tampered: {record}: unsigned" in warning
+    assert warning.endswith("Resuming from step 4, the newest intact backup."), warning
+    assert history.epoch == [1, 2]  # From step 4 (epoch 1 done), not step 8.
