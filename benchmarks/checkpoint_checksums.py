@@ -113,7 +113,7 @@ def measure(args) -> dict:
                     started = time.perf_counter()
                     path = blocking.save(1, 0)
                     times[config]["save"].append(time.perf_counter() - started)
-                    blocking._close()
+                    blocking._backups.close()
 
                     background = backup(directory + "-bg", background=True, config=config)
                     started = time.perf_counter()
@@ -121,19 +121,19 @@ def measure(args) -> dict:
                     times[config]["background_blocks"].append(time.perf_counter() - started)
                     background.wait()
                     times[config]["background_commit"].append(time.perf_counter() - started)
-                    background._close()
+                    background._backups.close()
 
                     restoring = backup(directory, background=False, config=config)
                     started = time.perf_counter()
                     assert restoring.restore()
                     times[config]["restore"].append(time.perf_counter() - started)
                     if config == configs[1]:
-                        engine = restoring._open()
+                        engine = restoring._backups.open()
                         step = engine.steps()[-1]
                         started = time.perf_counter()
                         engine.verify(step)
                         verify_s.append(time.perf_counter() - started)
-                    restoring._close()
+                    restoring._backups.close()
                     if config == configs[1] and keras.backend.backend() != "tensorflow":
                         names = checksums.names_under(path, skip=("_CHECKPOINT_METADATA",))
                         started = time.perf_counter()
