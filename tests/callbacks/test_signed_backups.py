@@ -223,3 +223,13 @@ def test_without_a_key_records_are_unsigned_and_a_signed_backup_restores(
         assert not os.path.exists(record_path(step))
     else:
         assert set(read_record(step)) == {"algorithm", "files"}
+
+
+def test_the_key_in_the_environment_is_used_where_no_argument_is_given(
+    signed, tmp_path, monkeypatch
+):
+    backup_dir, (_, newest) = copy(signed, tmp_path)
+    os.remove(record_path(newest))
+    monkeypatch.setenv(checksums.KEY_VARIABLE, KEY.decode())
+    messages = resume(backup_dir, signed[2])
+    refused(messages, backup_dir, "missing, and a signing key is set")
