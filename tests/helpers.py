@@ -304,3 +304,17 @@ def series_far_from_zero(n=45, steps=16, mean=100.0, seed=0):
     x = (mean + rng.normal(size=(n, steps, 1))).astype("float32")
     y = (x[:, :4, 0].mean(axis=1) > mean).astype("int32")
     return x, y
+
+
+class Noise(keras.layers.Layer):
+    """Gaussian noise in training, as a layer of the user's draws it (keras-io's VAE's
+    `Sampling` style: a seed generator it holds, `keras.random.normal` of its input's shape)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(11)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)

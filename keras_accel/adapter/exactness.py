@@ -23,7 +23,9 @@ user's; the forward pass of every model whose call pads (two eager calls on at m
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 
 import keras
 import numpy as np
@@ -35,6 +37,52 @@ from keras_accel.utils import keras_internals
 _PROBE_ROWS = 16
 
 
+@contextlib.contextmanager
+def _randomness_kept(model):
+    """The probes' forward passes leave every random state as they found it: a layer that
+    draws in inference too (keras-io's VAE's `Sampling`) advances its seed generator at
+    each call, and a probe's draws would shift every draw of the run after it. The model's
+    seed generators, Keras's global one and torch's generator are put back."""
+    generators = {id(g): g for g in _seed_generators(model)}
+    found = keras_internals.global_seed_generator()
+    if found is not None:
+        generators[id(found)] = found
+    saved = [(g, ops.convert_to_numpy(g.state.value)) for g in generators.values()]
+    torch_state = None
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch_state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        for generator, state in saved:
+            generator.state.assign(state)
+        if torch_state is not None:
+            import torch
+
+            torch.set_rng_state(torch_state)
+
+
+def _seed_generators(model):
+    for layer in keras_internals.flatten_layers(model):
+        for value in vars(layer).values():
+            if isinstance(value, keras.random.SeedGenerator):
+                yield value
+
+
+def _probe(function):
+    """`function(model, sample)` with the model's randomness kept (`_randomness_kept`)."""
+
+    @functools.wraps(function)
+    def probe(model, sample):
+        with _randomness_kept(model):
+            return function(model, sample)
+
+    return probe
+
+
+@_probe
 def inexact_under_padding(model, sample) -> list[str]:
     """The compiled losses and metrics of `model` that padding rows would reach, each as a
     short description ("loss 'my_loss' returns one value per batch").
@@ -76,6 +124,7 @@ def inexact_under_padding(model, sample) -> list[str]:
     return found
 
 
+@_probe
 def mixes_rows(model, sample) -> bool:
     """Whether `model`'s output for a row depends on the other rows of its batch
     (`_mixes_rows`), probed on a few real rows of `sample` (a padded batch `(x, y,

@@ -9,11 +9,16 @@ weights, evaluation, predictions and torch's generator's state after each call t
 OUT-<process>.npz.
 """
 
+import os
 import sys
 
-import keras
-import numpy as np
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import Noise  # noqa: E402
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(45, 5)).astype("float32")
@@ -36,6 +41,7 @@ def build():
             keras.layers.Conv1D(4, 3, padding="same"),
             keras.layers.Dropout(0.5),
             keras.layers.Flatten(),
+            Noise(),  # A random layer of the user's: its own seed generator.
             keras.layers.Dense(16),
             keras.layers.Dropout(0.3, seed=5),  # Seeded: its own seed generator.
             keras.layers.Dense(3),

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKEND
+from tests.helpers import Noise
 
 pytestmark = [
     pytest.mark.torch,
@@ -56,6 +57,7 @@ def _model(scope=None):
                 keras.layers.Conv1D(4, 3, padding="same"),
                 keras.layers.Dropout(0.5),
                 keras.layers.Flatten(),
+                Noise(),  # A random layer of the user's: its own seed generator.
                 keras.layers.Dense(16),
                 keras.layers.Dropout(0.3, seed=5),  # Seeded: its own seed generator.
                 keras.layers.Dense(3),

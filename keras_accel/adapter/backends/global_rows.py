@@ -39,14 +39,34 @@ def draws(layer) -> bool:
     )
 
 
+def draws_of_its_own(layer) -> bool:
+    """Whether `layer` is a layer of the user's (its class not Keras's) that holds a
+    `keras.random.SeedGenerator` and no layers: it draws random numbers itself, whose shape
+    Keras's convention takes from its input's, the batch on axis 0 (keras-io's VAE's
+    `Sampling`: `keras.random.normal(shape=(batch, dim), seed=self.seed_generator)`). Run
+    on the global batch's shape it draws one device's numbers, whether its draw is per row,
+    per batch or of a fixed shape; it may draw in inference too (it need not take
+    `training`)."""
+    if type(layer).__module__.startswith("keras.src.") or isinstance(layer, keras.Model):
+        return False
+    if keras_internals.flatten_layers(layer, include_self=False):
+        return False
+    return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+
+
 def install_row_draws(patches, model, global_call: Callable) -> int:
-    """Installs `global_call(layer.call)` as the `call` of every layer of `model` that
-    `draws`; returns how many. `global_call` is the backend's: the original call on a
-    global-batch-shaped input, this process's or replica's rows of its output kept."""
+    """Installs `global_call(layer.call, own)` as the `call` of every layer of `model` that
+    `draws` (`own` False: it draws in training only, given `training`) or
+    `draws_of_its_own` (`own` True: at every call, its inputs any structure of tensors that
+    share their rows); returns how many. `global_call` is the backend's: the original call
+    on a global-batch-shaped input, this process's or replica's rows of its output kept."""
     count = 0
     for layer in keras_internals.flatten_layers(model):
         if draws(layer):
-            patches.set(layer, "call", global_call(layer.call))
+            patches.set(layer, "call", global_call(layer.call, False))
+            count += 1
+        elif draws_of_its_own(layer):
+            patches.set(layer, "call", global_call(layer.call, True))
             count += 1
     return count
 

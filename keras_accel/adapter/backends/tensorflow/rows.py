@@ -23,28 +23,47 @@ def install_global_row_draws(patches, model) -> int:
     return install_row_draws(patches, model, _global)
 
 
-def _global(original):
-    def call(inputs, training=False):
+def _global(original, own: bool = False):
+    """`original` (a layer's call) on the global batch's shape, this replica's rows of its
+    outputs kept: in training (`own` False: Keras's random layers) or at every call (`own`:
+    a random layer of the user's, its inputs and outputs any structure of tensors)."""
+
+    def call(inputs, *args, **kwargs):
         context = tf.distribute.get_replica_context()
+        training = kwargs.get("training", args[0] if args else False)
+        leaves = tf.nest.flatten(inputs)
         if (
-            not training
+            not (training or own)
             or REPLICATED.get()  # The global batch's rows already: drawn as one device.
             or context is None
             or context.num_replicas_in_sync == 1
-            or not tf.is_tensor(inputs)
+            or not leaves
+            or not all(tf.is_tensor(leaf) and leaf.shape.rank for leaf in leaves)
+            or len({leaf.shape[0] for leaf in leaves}) > 1  # Not rows of one batch.
         ):
-            return original(inputs, training=training)
+            return original(inputs, *args, **kwargs)
         world = context.num_replicas_in_sync
         replica = context.replica_id_in_sync_group
         static = tf.get_static_value(replica)  # Known under MirroredStrategy: static shapes.
         replica = int(static) if static is not None else tf.cast(replica, tf.int32)
-        rows = inputs.shape[0] if inputs.shape[0] is not None else tf.shape(inputs)[0]
-        rest = tf.shape(inputs)[1:]
-        before = tf.zeros(tf.concat([[replica * rows], rest], 0), inputs.dtype)
-        after = tf.zeros(tf.concat([[(world - replica - 1) * rows], rest], 0), inputs.dtype)
-        outputs = original(tf.concat([before, inputs, after], 0), training=training)
-        own = outputs[replica * rows : (replica + 1) * rows]
-        own.set_shape(inputs.shape)
-        return own
+        first = leaves[0]
+        rows = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+
+        def widened(t):
+            rest = tf.shape(t)[1:]
+            before = tf.zeros(tf.concat([[replica * rows], rest], 0), t.dtype)
+            after = tf.zeros(tf.concat([[(world - replica - 1) * rows], rest], 0), t.dtype)
+            return tf.concat([before, t, after], 0)
+
+        def kept(t, like=None):
+            own_rows = t[replica * rows : (replica + 1) * rows]
+            if like is not None:
+                own_rows.set_shape(like.shape)
+            return own_rows
+
+        outputs = original(tf.nest.map_structure(widened, inputs), *args, **kwargs)
+        if tf.is_tensor(inputs) and tf.is_tensor(outputs):
+            return kept(outputs, inputs)
+        return tf.nest.map_structure(kept, outputs)
 
     return call

@@ -161,8 +161,9 @@ class Runtime(runtime.Runtime):
                 for optimizer in checks.optimizers(model):
                     checks.check_gradient_accumulation(optimizer, self.num_replicas)
                 install_summed_gradients(patches, checks.optimizers(model))
-                # Dropout and the like draw one device's numbers for the global batch.
-                install_global_row_draws(patches, model)
+            # Dropout and the like (in training) and random layers of the user's (at every
+            # call) draw one device's numbers for the global batch.
+            install_global_row_draws(patches, model)
             install_uniform_losses(patches, model)
             install_global_results(patches, model, global_result)
             # Users' metrics (any state, a running maximum) on the global batch.

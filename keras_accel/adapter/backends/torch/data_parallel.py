@@ -98,8 +98,9 @@ class DataParallelRuntime(Runtime):
             optimizer = getattr(model, "optimizer", None)
             if optimizer is not None:
                 self.install_gradients(patches, model, optimizer)
-            # Per-row random layers draw the global batch's numbers.
-            GlobalRowDraws(self.num_replicas, self.rank).install(patches, model)
+        # Per-row random layers (in training; the user's own at every call) draw the global
+        # batch's numbers.
+        GlobalRowDraws(self.num_replicas, self.rank).install(patches, model)
         # Users' metrics update on the global batch (their state need not be a sum);
         # Keras's own keep theirs and are summed over the processes when read. Installed
         # before the padding masks, which then wrap the gather (its weights are the mask).

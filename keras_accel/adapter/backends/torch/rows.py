@@ -169,7 +169,12 @@ class GlobalRowDraws:
             self._counted = (counted, int(round(float(counted()) * self.world)))
         return min(static, self._counted[1])
 
-    def _global(self, original):
+    def _global(self, original, own: bool = False):
+        """`original` (a layer's call) on the global batch's shape, this process's rows of
+        its outputs kept: in training (`own` False: Keras's random layers) or at every call
+        (`own`: a random layer of the user's, `_own_call`)."""
+        if own:
+            return self._own_call(original)
         world, rank = self.world, self.rank
 
         def call(inputs, training=False):
@@ -193,6 +198,45 @@ class GlobalRowDraws:
                 merged[:real] = outputs  # which a next random layer draws in.
                 outputs = merged
             return outputs[rank * rows : (rank + 1) * rows]
+
+        return call
+
+    def _own_call(self, original):
+        """A random layer of the user's (`global_rows.draws_of_its_own`): its inputs, any
+        structure of tensors sharing their rows, widened to the global batch (each process
+        drawing one process's numbers), a padded batch's real rows only drawn, the padding
+        rows' outputs copies of the last real row's (values a next layer handles); this
+        process's rows kept."""
+        world, rank = self.world, self.rank
+
+        def call(inputs, *args, **kwargs):
+            import torch
+
+            from keras_accel.adapter.steps import REPLICATED
+
+            leaves = keras.tree.flatten(inputs)
+            if (
+                REPLICATED.get()
+                or not leaves
+                or not all(isinstance(t, torch.Tensor) and t.dim() for t in leaves)
+                or len({t.shape[0] for t in leaves}) > 1  # Not rows of one batch.
+            ):
+                return original(inputs, *args, **kwargs)
+            rows = leaves[0].shape[0]
+            real = self.real_rows(world * rows)
+            if world == 1 and real == rows:
+                return original(inputs, *args, **kwargs)
+            whole = keras.tree.map_structure(
+                lambda t: t if world == 1 else _global_batch(t, world, rank), inputs
+            )
+            drawn = original(keras.tree.map_structure(lambda t: t[:real], whole), *args, **kwargs)
+
+            def kept(t):
+                if real < world * rows:
+                    t = torch.cat([t, t[real - 1 : real].expand(world * rows - real, *t.shape[1:])])
+                return t[rank * rows : (rank + 1) * rows]
+
+            return keras.tree.map_structure(kept, drawn)
 
         return call
 

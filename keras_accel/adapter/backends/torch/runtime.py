@@ -69,8 +69,9 @@ class Runtime(runtime.Runtime):
 
     def install_steps(self, patches: Patches, model, training: bool) -> None:
         """What this runtime changes in the model's steps for one call (after the build)."""
-        if training:  # A padded batch's draws are those of its real rows.
-            GlobalRowDraws(1, 0).install(patches, model)
+        # A padded batch's draws are those of its real rows (Keras's random layers draw in
+        # training, the user's own at every call).
+        GlobalRowDraws(1, 0).install(patches, model)
         # One process: Keras's steps compiled, one program each, where measured faster.
         compiled.install(patches, model)
 
