@@ -40,6 +40,7 @@ import weakref
 import keras
 
 from keras_accel.adapter import protocol
+from keras_accel.data.batching import UNPADDED
 from keras_accel.utils.printing import print_msg
 
 AUTO = "auto"
@@ -174,11 +175,9 @@ def steps_per_call(
     `validation_steps` (`divides`); said once where the call prints (`note`). One where
     `batches` or fit's `validation` batches end in a batch that runs unpadded, of another
     shape than the others (`BatchPlan.remainder_rows`): a group's batches share one."""
-    unpadded = [b for b in (batches, validation) if _remainder_rows(b) is not None]
+    unpadded = [why for why in map(_unpadded, (batches, validation)) if why is not None]
     if unpadded:
-        rows = _remainder_rows(unpadded[0])
-        why = f"its last partial batch ({rows} rows) runs unpadded, as a step of its own shape"
-        note(model, 1, why, 1 if verbose == "auto" else verbose)
+        note(model, 1, unpadded[0], 1 if verbose == "auto" else verbose)
         return 1
     n, why = choose(
         requested,
@@ -211,8 +210,17 @@ def steps_per_call(
     return n
 
 
-def _remainder_rows(batches) -> int | None:
-    return getattr(getattr(batches, "plan", None), "remainder_rows", None)
+def _unpadded(batches) -> str | None:
+    """Why `batches` run one step per call (a batch of another shape than the others, which
+    a group cannot stack: an array's last partial batch, a stream's batch that is not full,
+    run unpadded or marked to be cut), or None."""
+    plan = getattr(batches, "plan", None)
+    rows = getattr(plan, "remainder_rows", None)
+    if rows is not None:
+        return f"its last partial batch ({rows} rows) runs unpadded, as a step of its own shape"
+    if plan is not None and plan.num_samples is None and plan.remainder in UNPADDED:
+        return "a batch of its stream that is not full runs unpadded, as a step of its own shape"
+    return None
 
 
 def _size(count: int) -> str:
