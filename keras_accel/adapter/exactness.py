@@ -247,24 +247,32 @@ def _ignores_weights(metric, y_true, y_pred) -> bool:
         values = metric(*_as_keras_hands_them(y_true, y_pred))
         return _batch_scalar(values)
     # The real rows alone, against the real rows and rows weighted 0 after them: rows with
-    # shifted labels, then rows with shifted predictions (either may happen to score like
-    # the real ones; both rarely).
+    # shifted labels, rows with shifted predictions (either may happen to score like the
+    # real ones; both rarely), and rows whose predictions are moved off the real ones' (a
+    # metric of the predictions' mean or sum: shifted rows keep both).
     alone = _result(metric, y_true, y_pred, None)
     if alone is None:
         return False  # Nothing to probe it with.
     rows = len(y_true)
     weights = np.concatenate([np.ones(rows, "float32"), np.zeros(rows, "float32")])
     y_true_np, y_pred_np = np.asarray(y_true), ops.convert_to_numpy(y_pred)
+    moved = y_pred_np
+    if y_pred_np.dtype.kind == "f":
+        moved = np.flip(y_pred_np, axis=-1) * np.asarray(0.5, y_pred_np.dtype) + 0.25
     for junk_true, junk_pred in (
         (np.roll(y_true_np, 1, axis=0), y_pred_np),
         (y_true_np, np.roll(y_pred_np, 1, axis=0)),
+        (y_true_np, moved),
     ):
-        padded = _result(
-            metric,
-            np.concatenate([y_true_np, junk_true]),
-            np.concatenate([y_pred_np, junk_pred]),
-            weights,
-        )
+        try:
+            padded = _result(
+                metric,
+                np.concatenate([y_true_np, junk_true]),
+                np.concatenate([y_pred_np, junk_pred]),
+                weights,
+            )
+        except Exception:  # Predictions it refuses (out of its range): not a probe of it.
+            continue
         if padded is not None and not all(
             np.allclose(u, v, rtol=1e-5, atol=1e-6) for u, v in zip(padded, alone)
         ):

@@ -38,8 +38,16 @@ class RunningMax(keras.metrics.Metric):
 
     def update_state(self, y_true, y_pred, sample_weight=None):
         # The largest batch mean so far (`ops.max` on torch reads `result.values`, which
-        # torch.compile cannot trace: such a step runs eagerly).
-        self.value.assign(keras.ops.maximum(self.value, keras.ops.mean(y_pred[:, 0])))
+        # torch.compile cannot trace: such a step runs eagerly), weighted: a padded batch's
+        # mean is its real rows' (unweighted, the padding probe finds it and the last batch
+        # runs unpadded, as a step of its own shape).
+        first = y_pred[:, 0]
+        if sample_weight is None:
+            mean = keras.ops.mean(first)
+        else:
+            weights = keras.ops.reshape(keras.ops.cast(sample_weight, first.dtype), (-1,))
+            mean = keras.ops.sum(first * weights) / keras.ops.sum(weights)
+        self.value.assign(keras.ops.maximum(self.value, mean))
 
     def result(self):
         return self.value
