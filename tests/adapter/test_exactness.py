@@ -182,3 +182,29 @@ def test_a_model_whose_rows_see_each_other_is_named_where_each_replica_has_a_sha
     assert len(said) == (1 if backend == "tensorflow" and DEVICES > 1 else 0), said
     if said:
         assert f"over {DEVICES} replicas each computes from its own share" in str(said[0].message)
+
+
+class MeanPrediction(keras.metrics.Metric):
+    """The batch mean of the first prediction, sample_weight ignored: rows rolled over the
+    batch keep it, so only rows moved off the real ones show that padding would count."""
+
+    def __init__(self, name="mean_prediction", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_variable((), initializer="zeros", name="value")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.value.assign(ops.mean(y_pred[:, 0]))
+
+    def result(self):
+        return self.value
+
+
+@pytest.mark.torch
+def test_a_metric_of_the_predictions_mean_that_ignores_weights_is_found():
+    from keras_accel.adapter.exactness import inexact_under_padding
+
+    x, y = _data()
+    sample = (x[:16], y[:16], None, np.r_[np.ones(10), np.zeros(6)].astype("float32"))
+    assert inexact_under_padding(_model(metrics=[MeanPrediction()]), sample) == [
+        "metric 'mean_prediction' counts rows whose sample_weight is 0"
+    ]
