@@ -28,27 +28,14 @@ import pytest
 
 from keras_accel.callbacks import BackupAndRestore
 from keras_accel.state import checksums, files
-from tests.helpers import compiled_mlp, data, weights_of
+
+# The fault matrix's model and run (its data: 4 steps an epoch).
+from tests.callbacks.test_faults import fit, model
 
 pytestmark = pytest.mark.torch  # Every backend's engine: Orbax, tf.train, DCP.
 
-EPOCHS = 3
-BATCH = 8
-X, Y = data(32)  # 4 steps an epoch.
 PAYLOADS = ("os.system", "builtins.eval", "subprocess.Popen", "importlib.import_module")
 MODULE = "keras_accel_planted_payload"  # What the import_module payload imports.
-
-
-def model():
-    keras.backend.clear_session(free_memory=False)
-    return compiled_mlp(optimizer=keras.optimizers.Adam(0.01))
-
-
-def fit(trained, *callbacks, epochs=EPOCHS):
-    trained.fit(
-        X, Y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks)
-    )
-    return weights_of(trained)
 
 
 class _Call:

@@ -54,11 +54,7 @@ def _fsdp(plan: Plan, layout_map):
         )
     if size == 1:
         return None
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (size,), mesh_dim_names=("data",))
+    return process_group.mesh("data")
 
 
 @STRATEGIES.runtime("fsdp", "torch", default=True)

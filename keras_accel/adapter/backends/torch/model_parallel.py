@@ -106,11 +106,7 @@ def _model_parallel(plan: Plan, layout_map):
         )
     if size == 1:
         return None
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ModelMesh(init_device_mesh(device, (size,), mesh_dim_names=(AXIS,)), layout_map)
+    return ModelMesh(process_group.mesh(AXIS), layout_map)
 
 
 @STRATEGIES.runtime("model_parallel", "torch", default=True)

@@ -39,6 +39,17 @@ def world() -> int:
     return dist().get_world_size() if joined() else 1
 
 
+def mesh(axis: str):
+    """A one-axis `DeviceMesh` named `axis` over every process of the group, one device
+    each (CUDA where there is one, else the CPU): what torch's sharding strategies split
+    variables over."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (world(),), mesh_dim_names=(axis,))
+
+
 def rank() -> int:
     """This process's rank (0 without a process group)."""
     return dist().get_rank() if joined() else 0
