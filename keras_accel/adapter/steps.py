@@ -100,6 +100,11 @@ LOSS_RANKED = StepValue("loss_ranked", default=False)
 # random draws), and only the first replica's metric updates count
 # (`keras_accel.adapter.backends.torch`).
 REPLICATED = StepValue("replicated", default=False)
+# A dict of its own for each call of a step (each replica's, each trace's), for what the
+# backend needs to know later in the same step about what ran earlier in it (TensorFlow:
+# whether Keras's own step computed the loss whose gradients the optimizer applies,
+# `keras_accel.adapter.backends.tensorflow.losses`). None outside a step.
+STEP_NOTES = StepValue("step_notes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +214,7 @@ def _wrap(model, kind, original, contracts, record, row_count):
         count_token = ROW_COUNT.set(counted)
         ranked_token = LOSS_RANKED.set(ranked)
         replicated_token = REPLICATED.set(bool(cut) and contract.replicated)
+        notes_token = STEP_NOTES.set({})
         try:
             result = original(*state, user)
         except (ValueError, TypeError) as error:
@@ -218,6 +224,7 @@ def _wrap(model, kind, original, contracts, record, row_count):
                 raise ValueError(_padding_message(model, kind, contract, error)) from error
             raise
         finally:
+            STEP_NOTES.reset(notes_token)
             REPLICATED.reset(replicated_token)
             LOSS_RANKED.reset(ranked_token)
             ROW_COUNT.reset(count_token)

@@ -21,18 +21,16 @@ dropped with a note, and an evaluation that would pad is refused, naming the cod
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 import weakref
 
-from keras_accel.utils import keras_internals
+from keras_accel.utils import keras_internals, source
 
 
 def hands_on_sample_weight(function) -> bool:
     """Whether `function`'s source reads a variable named `sample_weight` or passes
     something other than None as `sample_weight=` (one only unpacked and never read does
     not count). A function whose source cannot be read (made at run time) does not."""
-    tree = _source_tree(function)
+    tree = source.tree(function)
     if tree is None:
         return False
     for node in ast.walk(tree):
@@ -108,7 +106,7 @@ def _reads_add_loss(cls) -> bool:
     for klass in cls.__mro__:
         if _is_keras_class(klass) or klass is object:
             continue
-        tree = _source_tree(klass)
+        tree = source.tree(klass)
         if tree is None:
             continue
         for node in ast.walk(tree):
@@ -126,13 +124,6 @@ def _is_keras_class(klass) -> bool:
     # `activity_regularizer` (read from the instance) and Keras's regularizers.
     module = getattr(klass, "__module__", "") or ""
     return module == "keras" or module.startswith(("keras.", "keras_hub.", "keras_nlp."))
-
-
-def _source_tree(obj):
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(obj)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return None
 
 
 __all__ = ["hands_on_sample_weight", "unweighted_code"]

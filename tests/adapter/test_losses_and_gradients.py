@@ -1,6 +1,6 @@
 """Losses and gradients across replicas, owned by the call: no Keras, TensorFlow or JAX class
 or module changes while a call runs; the optimizer clips the global batch's gradient; a
-custom step's own averaged loss keeps Keras's convention on TensorFlow; a class's own
+custom train_step trains as one device on TensorFlow; a class's own
 `compute_loss` (keras-io's knowledge distillation), a layer's `add_loss` of a Keras loss
 (keras-io's endpoint layer) and an Embedding's sparse gradient (keras-io's transformer's
 position embedding) give one device's loss and training (docs/accelerator.md, "Custom
@@ -120,7 +120,8 @@ def test_the_optimizer_clips_the_global_batch_s_gradient(clipping):
 
 
 class AveragesItself(keras.Sequential):
-    """A custom step that averages a loss function's values itself (not a Keras loss object)."""
+    """A custom step that averages a loss function's values itself (not a Keras loss object),
+    as keras-io's VAE does."""
 
     def train_step(self, data):
         x, y = data[:2]
@@ -135,26 +136,53 @@ class AveragesItself(keras.Sequential):
         return {"loss": loss}
 
 
-def test_a_custom_step_s_own_average_keeps_keras_s_convention_on_tensorflow(backend):
-    """On TF, Keras divides the losses it computes by the replica count and sums the
-    replicas' gradients; a loss the step averages itself is not divided, and its gradient
-    counts once per replica, as with raw MirroredStrategy: N replicas train it as one device
-    with N times the learning rate. (Compared with one device, not with a raw
-    MirroredStrategy: two strategies over the same devices clash in TF's collectives, which
-    then abort every later one in the process.)"""
-    if backend != "tensorflow":
-        pytest.skip("the convention is TF's: on JAX one program computes the global loss")
-    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
-    x, y = data(64)  # 4 batches of 16: nothing padded (the step takes no weights).
+class DividesItself(keras.Sequential):
+    """A custom step written for TensorFlow's convention, as its guides teach: the loss
+    divided by the replica count (`tf.nn.compute_average_loss`), the gradients summed."""
 
-    def make(rate):
-        model = AveragesItself(compiled_mlp(batchnorm=False).layers)
-        model.compile(keras.optimizers.SGD(rate))
+    def train_step(self, data):
+        x, y = data[:2]
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            per_row = keras.losses.sparse_categorical_crossentropy(y, y_pred)
+            loss = tf.nn.compute_average_loss(per_row)
+        self.optimizer.apply(
+            tape.gradient(loss, self.trainable_variables), self.trainable_variables
+        )
+        return {"loss": loss}
+
+
+class CallsKerasStep(keras.Sequential):
+    """A custom step that hands the batch to Keras's own (`super().train_step`)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize(
+    "step", [AveragesItself, DividesItself, CallsKerasStep, HoldsItsLoss], ids=lambda c: c.__name__
+)
+def test_a_custom_train_step_trains_as_one_device(backend, step):
+    """On TF a custom `train_step` runs as one device over each replica's rows, with the
+    replicas' gradients averaged (its own `ops.mean` of a loss function, keras-io's VAE,
+    trained N times too fast under raw MirroredStrategy); a step that divides by the
+    replica count itself, as TensorFlow's guides teach, keeps their convention; one that
+    calls Keras's step and one that holds a Keras loss object train as one device too."""
+    if backend != "tensorflow":
+        pytest.skip("TF's replicas run a custom step each; on JAX one program runs it")
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS)
+    x, y = data(64)  # 4 batches of 16: nothing padded.
+
+    def make():
+        model = step(compiled_mlp(batchnorm=False).layers)
+        model.compile(keras.optimizers.SGD(0.2), "sparse_categorical_crossentropy")
         return model
 
     with acc.scope():
-        ours = make(0.05)
-    one_device = make(0.05 * acc.num_replicas)
+        ours = make()
+    one_device = make()
     one_device.set_weights(ours.get_weights())
     acc.fit(ours, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     one_device.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)

@@ -43,15 +43,6 @@ _BATCH_COUPLED = (
     "batches)"
 )
 XFAIL: dict[tuple[str, str], str] = {
-    # TensorFlow, several replicas: its Sampling layer draws one device's numbers (a random
-    # layer of the user's, global_rows.draws_of_its_own) and the losses are plain Keras's.
-    ("generative/vae", "tensorflow"): (
-        "#59 item 2 in a custom train_step: the VAE's own loss (keras.losses."
-        "binary_crossentropy, a function, and ops.mean) is not divided by the replica count, "
-        "which the optimizer sums over: its gradient counts twice over 2 replicas "
-        "(docs/accelerator.md 'Custom steps'); Adam's scale invariance hides most of it "
-        "(weights 5e-4 off after 2 epochs, SGD 1e-2)"
-    ),
     ("structured_data/collaborative_filtering_movielens", "tensorflow"): _BATCH_COUPLED,
 }
 SKIP: dict[tuple[str, str], str] = {

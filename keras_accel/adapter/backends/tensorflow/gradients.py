@@ -44,9 +44,12 @@ from keras_accel.utils import keras_internals
 from keras_accel.utils.optimizers import inner_optimizer
 
 
-def install_summed_gradients(patches: Patches, optimizers) -> None:
+def install_summed_gradients(patches: Patches, optimizers, summed=None) -> None:
     """For the duration of `patches`, each of `optimizers` sums the replicas' gradients
-    before clipping them (see the module docstring)."""
+    before clipping them (see the module docstring). `summed()`, read in each step, says
+    whether the step's gradients are summed (Keras's convention, and the default) or
+    averaged (a custom step run as one device over each replica's rows, `losses.
+    runs_as_one_device`)."""
     # A LossScaleOptimizer's inner optimizer is reached through the outer one's `apply`
     # only, with the sum taken: it never sums. (A flag set in `apply` could not tell it:
     # Keras's loss scaling re-enters the replicas in new threads, through a merge_call.)
@@ -54,28 +57,30 @@ def install_summed_gradients(patches: Patches, optimizers) -> None:
     every = {id(o): o for outer in optimizers for o in (outer, inner_optimizer(outer))}
     for optimizer in every.values():
         if id(optimizer) not in inner:
-            patches.set(optimizer, "apply", _summing(optimizer.apply))
+            patches.set(optimizer, "apply", _summing(optimizer.apply, summed))
         # The sum is taken once, in `apply`; Keras's own, after clipping, would add the
         # replicas' (equal) sums again.
         keras_internals.replace_all_reduce_sum_gradients(patches, optimizer, list)
 
 
-def _summing(original):
+def _summing(original, summed):
     def apply(grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return original(grads, trainable_variables)
+        summing = summed is None or summed()
+        operation = tf.distribute.ReduceOp.SUM if summing else tf.distribute.ReduceOp.MEAN
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
         shared = {i for i in present if _same_in_every_replica(grads[i])}
         # Applied, never differentiated: no gradient function (which would keep the step's
         # graphs alive for good).
-        summed = reduce_undifferentiated(
+        reduced = reduce_undifferentiated(
             context,
-            tf.distribute.ReduceOp.SUM,
+            operation,
             [grads[i].values if i in shared else grads[i] for i in present],
         )
-        for i, g in zip(present, summed):
+        for i, g in zip(present, reduced):
             if i in shared:
                 g = tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
             grads[i] = g

@@ -9,6 +9,9 @@ a loss's reduction), so that the gradients its optimizer sums are the global bat
   Keras's loss tracker reports it N times too large;
 - a custom step that reports the loss it computes, through `compute_loss` or through a loss
   object it holds (as Keras's guides do), reports it divided by N;
+- a custom `train_step` that computes its loss without Keras's loss objects (keras-io's
+  VAE: `ops.mean(ops.sum(keras.losses.binary_crossentropy(...)))`, a function) is not
+  divided, and its gradient counts N times;
 - a class's own `compute_loss` mixes scales: a Keras loss object in it is divided, an
   `ops.mean` of its own or `ops.sum(self.losses)` is not (Keras's knowledge-distillation
   example reported 8.1 times one device's loss over 8 replicas; one with `ops.mean`
@@ -22,10 +25,19 @@ For the duration of an Accelerator call, on the instances only:
 - every loss of `compile()` and every Keras loss object the model holds as an attribute
   hands Keras's reduction one value per row: a single number is repeated over the batch's
   rows, which changes no mean, and Keras then divides it like any other;
-- `compute_loss` (Keras's own, where a custom step calls it) and those held loss objects
-  return the global batch's loss: N times the replica's share, with the share's gradient
-  (`share + stop_gradient((N - 1) * share)`). Gradients are Keras's, which the optimizer
-  sums (`gradients.py`); what the step reports is what one device reports;
+- Keras's own `train_step` keeps Keras's convention: its loss is the replica's share
+  (divided by N) and the optimizer sums the replicas' gradients (`gradients.py`);
+- a custom `train_step` runs as one device over the replica's rows: `compute_loss`
+  (Keras's own or the class's) and the loss objects the model holds return the mean over
+  the replica's rows, undivided, gradient included, like a loss the step computes itself;
+  the optimizer then averages the replicas' gradients instead of summing them
+  (`apply_op`). Equal rows in every replica (a custom step is never padded), so the mean
+  of the replicas' means is the global batch's, as one device computes it. A step written
+  for TensorFlow's convention, which divides by the replica count itself (its source names
+  `num_replicas_in_sync`, `compute_average_loss` or `scale_loss_for_distribution`), keeps
+  it: the loss objects return the global value with the share's gradient, and the
+  optimizer sums. A custom step that calls `super().train_step(...)` runs Keras's (the
+  optimizer sums what Keras's step computed: `STEP_NOTES`);
 - a Keras loss object a layer of the model holds (not a nested model) returns the mean over
   the replica's rows, undivided: what it adds with `add_loss` is then divided once, by
   Keras's sum of the added losses, like `add_loss(ops.mean(...))`;
@@ -33,18 +45,13 @@ For the duration of an Accelerator call, on the instances only:
   nothing is divided (the loss objects the model holds, `super().compute_loss(...)`, its
   added losses), and what it returns is taken as the replica's mean and divided once by N,
   here: Keras's step reports and differentiates the replica's share, as with its own
-  `compute_loss`, and a custom step calling it gets the global value with the share's
-  gradient. Reported loss and gradient are one device's (for a loss that is a mean over
-  the batch's rows, as Keras's losses are).
+  `compute_loss`. Reported loss and gradient are one device's (for a loss that is a mean
+  over the batch's rows, as Keras's losses are).
 
 Keras's own steps report their loss through `unscale_loss_for_distribution` already:
 Keras's `compute_loss` called from one of them is left as it is, and so are the compiled
-losses. A loss the custom step itself computes without a Keras loss object
-(`ops.mean(keras.losses.mean_squared_error(...))` in a `train_step`) is Keras's
-convention's to get right: as with raw `MirroredStrategy` it is not divided, and its
-gradient counts N times (docs/accelerator.md, "Custom steps"). A Keras loss object a class's
-own `compute_loss` makes anew at each call, rather than holding it, cannot be reached on
-the instance and stays divided there.
+losses. A Keras loss object a class's own `compute_loss` makes anew at each call, rather
+than holding it, cannot be reached on the instance and stays divided there.
 """
 
 from __future__ import annotations
@@ -56,12 +63,17 @@ import tensorflow as tf
 from keras import ops
 
 from keras_accel.adapter.patches import Patches
-from keras_accel.adapter.steps import after_build
-from keras_accel.utils import keras_internals
+from keras_accel.adapter.steps import STEP_NOTES, after_build, overrides
+from keras_accel.utils import keras_internals, source
 
 # The reductions Keras divides by the replica count (`keras.losses.Loss`'s reduce_values):
 # the means. "sum" and "none" are never divided.
 DIVIDED = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+# What a custom `train_step`'s source names where it divides its loss by the replica count
+# itself, as TensorFlow's guides teach (`tf.nn.compute_average_loss`): it keeps Keras's
+# convention.
+DIVIDES_ITSELF = ("num_replicas_in_sync", "compute_average_loss", "scale_loss_for_distribution")
 
 # Set while Keras's own step computes its loss (its `_compute_loss`), which it reports
 # through `unscale_loss_for_distribution` itself.
@@ -88,19 +100,38 @@ def global_value(share):
     return share + ops.stop_gradient(ops.multiply(share, ops.cast(n - 1, share.dtype)))
 
 
-def install_uniform_losses(patches: Patches, model) -> None:
+def runs_as_one_device(model) -> bool:
+    """Whether `model`'s own `train_step` runs as one device over each replica's rows (see
+    the module docstring): it overrides Keras's and does not divide by the replica count
+    itself."""
+    if not overrides(model, "train"):
+        return False
+    return not source.mentions(type(model).train_step, DIVIDES_ITSELF)
+
+
+def gradients_summed(one_device: bool) -> bool:
+    """Whether the optimizer sums the replicas' gradients in the step being traced (Keras's
+    convention: each replica's loss is its share), else averages them (a custom step run
+    as one device, `one_device`, whose losses are the replica's means): summed where Keras's
+    own step computed the loss, as a custom step calling `super().train_step(...)` has it."""
+    notes = STEP_NOTES.get()
+    return not one_device or notes is None or bool(notes.get("keras_loss"))
+
+
+def install_uniform_losses(patches: Patches, model, one_device: bool) -> None:
     """For the duration of `patches` (see the module docstring): the model's compiled
     losses and the Keras loss objects it holds are divided by the replica count whatever
-    they return, a custom step sees `compute_loss` and those objects give the global
-    batch's loss, its layers' loss objects are not divided, and a class's own
-    `compute_loss` is divided once, as a whole."""
+    they return, a custom step sees `compute_loss` and those objects give the replica's
+    mean (`one_device`, `runs_as_one_device`) or the global batch's loss with the share's
+    gradient, its layers' loss objects are not divided, and a class's own `compute_loss`
+    is divided once, as a whole."""
     compiled = keras_internals.compile_loss(model)
     done = {id(loss) for loss in keras.tree.flatten(getattr(model, "loss", None))}
     done.add(id(compiled))  # Keras's own (a Loss too), and the losses given to compile().
     for value in list(vars(model).values()):
         if isinstance(value, keras.losses.Loss) and id(value) not in done:
             done.add(id(value))  # Held twice, changed once.
-            patches.set(value, "call", _per_row(value, report=True))
+            patches.set(value, "call", _per_row(value, report=True, one_device=one_device))
     for layer in keras_internals.flatten_layers(model, include_self=False):
         if isinstance(layer, keras.Model):
             continue  # Its own compiled losses and held objects are not called in this step.
@@ -112,13 +143,13 @@ def install_uniform_losses(patches: Patches, model) -> None:
 
         def install():
             for loss in keras_internals.compiled_losses(compiled):
-                patches.set(loss, "call", _per_row(loss, report=False))
+                patches.set(loss, "call", _per_row(loss, report=False, one_device=one_device))
 
         after_build(patches, compiled, install)
     if not _overrides_compute_loss(model):
-        keras_internals.replace_compute_loss(patches, model, _reporting)
+        keras_internals.replace_compute_loss(patches, model, _reporting(one_device))
         return
-    keras_internals.replace_compute_loss(patches, model, _own_reporting)
+    keras_internals.replace_compute_loss(patches, model, _own_reporting(one_device))
     keras_internals.replace_added_losses(patches, model, _undivided_in_own_loss)
     if compiled is not None:
         patches.set(compiled, "call", _undivided_in_own_loss(compiled.call))
@@ -131,7 +162,8 @@ def _overrides_compute_loss(model) -> bool:
 
 
 def _in_keras_step(keras_compute_loss):
-    """Keras's `_compute_loss` (what its own steps call), marked as such while it runs."""
+    """Keras's `_compute_loss` (what its own steps call), marked as such while it runs, and
+    noted in the step (`gradients_summed`)."""
 
     def in_keras_step(*args, **kwargs):
         token = _IN_KERAS_STEP.set(True)
@@ -139,42 +171,63 @@ def _in_keras_step(keras_compute_loss):
             return keras_compute_loss(*args, **kwargs)
         finally:
             _IN_KERAS_STEP.reset(token)
+            notes = STEP_NOTES.get()
+            if notes is not None:
+                notes["keras_loss"] = True
 
     return in_keras_step
 
 
-def _reporting(keras_compute_loss, compute_loss):
-    """`(Keras's _compute_loss, compute_loss)` -> theirs for this call: Keras's own steps
-    get the replica's share; a custom step calling `compute_loss`, the global value."""
-
-    def reported(*args, **kwargs):
-        share = compute_loss(*args, **kwargs)
-        if _IN_KERAS_STEP.get() or share is None:
-            return share
+def _for_custom_step(share, one_device: bool):
+    """What a custom step gets for the replica's `share` of a loss (Keras's, divided by the
+    replica count): the replica's mean, with its gradient, where the step runs as one
+    device; else the global value, with the share's gradient."""
+    if not one_device:
         return global_value(share)
+    return ops.multiply(share, ops.cast(replicas(), share.dtype))
 
-    return _in_keras_step(keras_compute_loss), reported
+
+def _reporting(one_device: bool):
+    """A `make` for `replace_compute_loss`: `(Keras's _compute_loss, compute_loss)` ->
+    theirs for this call: Keras's own steps get the replica's share; a custom step calling
+    `compute_loss`, `_for_custom_step`'s."""
+
+    def make(keras_compute_loss, compute_loss):
+        def reported(*args, **kwargs):
+            share = compute_loss(*args, **kwargs)
+            if _IN_KERAS_STEP.get() or share is None:
+                return share
+            return _for_custom_step(share, one_device)
+
+        return _in_keras_step(keras_compute_loss), reported
+
+    return make
 
 
-def _own_reporting(keras_compute_loss, compute_loss):
+def _own_reporting(one_device: bool):
     """As `_reporting`, for a class's own `compute_loss`: it runs with nothing divided
     inside, and what it returns, the replica's mean, is divided once here: the replica's
-    share for Keras's steps, the global value with the share's gradient for a custom
-    step."""
+    share for Keras's steps; for a custom step, the mean as it is where the step runs as
+    one device, else the global value with the share's gradient."""
 
-    def reported(*args, **kwargs):
-        token = _IN_OWN_LOSS.set(True)
-        try:
-            mean = compute_loss(*args, **kwargs)
-        finally:
-            _IN_OWN_LOSS.reset(token)
-        if mean is None:
-            return mean
-        mean = ops.convert_to_tensor(mean)  # A Python number, returned as Keras allows.
-        share = ops.divide(mean, ops.cast(replicas(), mean.dtype))
-        return share if _IN_KERAS_STEP.get() else global_value(share)
+    def make(keras_compute_loss, compute_loss):
+        def reported(*args, **kwargs):
+            token = _IN_OWN_LOSS.set(True)
+            try:
+                mean = compute_loss(*args, **kwargs)
+            finally:
+                _IN_OWN_LOSS.reset(token)
+            if mean is None:
+                return mean
+            mean = ops.convert_to_tensor(mean)  # A Python number, returned as Keras allows.
+            if one_device and not _IN_KERAS_STEP.get():
+                return mean
+            share = ops.divide(mean, ops.cast(replicas(), mean.dtype))
+            return share if _IN_KERAS_STEP.get() else global_value(share)
 
-    return _in_keras_step(keras_compute_loss), reported
+        return _in_keras_step(keras_compute_loss), reported
+
+    return make
 
 
 def _undivided_in_own_loss(divided):
@@ -199,13 +252,14 @@ def _undivided_in_own_loss(divided):
     return call
 
 
-def _per_row(loss, report: bool):
+def _per_row(loss, report: bool, one_device: bool):
     """`loss.call` that returns a value per row (a number repeated over the batch's rows:
     the same mean, which Keras's reduction then divides by the replica count). Where
     `report` (a loss object the model holds) and Keras divides it: inside a class's own
-    `compute_loss` the values are multiplied by the replica count (Keras's division then
-    gives the replica's mean), elsewhere by the replica count in value only (the global
-    value, with the share's gradient)."""
+    `compute_loss`, and in a custom step run as one device (`one_device`), the values are
+    multiplied by the replica count (Keras's division then gives the replica's mean),
+    elsewhere by the replica count in value only (the global value, with the share's
+    gradient)."""
     original = loss.call
 
     def call(y_true, y_pred):
@@ -216,7 +270,7 @@ def _per_row(loss, report: bool):
                 values = ops.broadcast_to(values, ops.shape(leaves[0])[:1])
         if report and loss.reduction in DIVIDED:
             mask = keras_internals.keras_mask(values)
-            if _IN_OWN_LOSS.get():
+            if _IN_OWN_LOSS.get() or (one_device and not _IN_KERAS_STEP.get()):
                 values = ops.multiply(values, ops.cast(replicas(), values.dtype))
             else:
                 values = global_value(values)

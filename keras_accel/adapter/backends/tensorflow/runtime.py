@@ -18,7 +18,11 @@ from keras_accel.adapter.backends.global_rows import FirstReplicaCounts
 from keras_accel.adapter.backends.tensorflow import checks, replicated, xla
 from keras_accel.adapter.backends.tensorflow.fused import fits_group_bytes, fused_function
 from keras_accel.adapter.backends.tensorflow.gradients import install_summed_gradients
-from keras_accel.adapter.backends.tensorflow.losses import install_uniform_losses
+from keras_accel.adapter.backends.tensorflow.losses import (
+    gradients_summed,
+    install_uniform_losses,
+    runs_as_one_device,
+)
 from keras_accel.adapter.backends.tensorflow.reduction import (
     all_reduce_sum,
     global_result,
@@ -156,15 +160,18 @@ class Runtime(runtime.Runtime):
             )
             keras_internals.replace_tf_symbolic_build(patches, model)
         if self.num_replicas > 1:
+            one_device = runs_as_one_device(model)
             if training:
                 checks.check_optimizers_built(model)
                 for optimizer in checks.optimizers(model):
                     checks.check_gradient_accumulation(optimizer, self.num_replicas)
-                install_summed_gradients(patches, checks.optimizers(model))
+                install_summed_gradients(
+                    patches, checks.optimizers(model), lambda: gradients_summed(one_device)
+                )
             # Dropout and the like (in training) and random layers of the user's (at every
             # call) draw one device's numbers for the global batch.
             install_global_row_draws(patches, model)
-            install_uniform_losses(patches, model)
+            install_uniform_losses(patches, model, one_device)
             install_global_results(patches, model, global_result)
             # Users' metrics (any state, a running maximum) on the global batch.
             install_gathered_metrics(patches, model)
