@@ -7,9 +7,10 @@ every batch, and those rows need not split evenly; so every replica runs the ste
 of them, as one device does, and nothing in that step crosses the replicas but what sums
 back to one device's numbers (`steps.REPLICATED`): each replica's gradient is of its loss
 over the whole batch divided by the replica count, as Keras divides every replica's loss,
-so their sum is one device's; BatchNormalization's moments and users' metrics' rows are
-not gathered; per-row random layers draw for the batch as one device; Keras's metrics
-count the first replica's rows (`global_rows.FirstReplicaCounts`).
+so their sum is one device's (a custom `train_step`'s loss is whole, and the replicas'
+gradients are averaged, `losses.runs_as_one_device`); BatchNormalization's moments and
+users' metrics' rows are not gathered; per-row random layers draw for the batch as one
+device; Keras's metrics count the first replica's rows (`global_rows.FirstReplicaCounts`).
 
 The other batches come from the call's `tf.data` pipeline, whose elements share one static
 shape, as ever; the short batch, of its own shape, comes from the host, whole in every
