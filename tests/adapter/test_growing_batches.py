@@ -15,11 +15,14 @@ import pytest
 from keras_accel import Accelerator
 from keras_accel.data import sources
 from keras_accel.data.batching import bucket_rows, share_rows
-from tests.helpers import assert_weights_close, compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, assert_weights_close, compiled_mlp, data
 
 pytestmark = pytest.mark.torch
 
 SIZES = (5, 16, 11, 11)  # 43 rows.
+# TensorFlow traces every step once per replica: two replicas take every cross-replica
+# path (`FEW_REPLICAS`); JAX's one program runs on every device.
+DEVICES = {"devices": FEW_REPLICAS} if keras.backend.backend() == "tensorflow" else {}
 X, Y = data(sum(SIZES))
 
 
@@ -80,7 +83,7 @@ def _check_like_keras(acc, model, twin, make):
 
 
 def test_a_growing_generator_trains_evaluates_and_predicts_as_keras():
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     _check_like_keras(acc, model, twin, _growing)
     predictions = acc.predict(model, _growing(with_targets=False), verbose=0)
@@ -88,7 +91,7 @@ def test_a_growing_generator_trains_evaluates_and_predicts_as_keras():
 
 
 def test_a_growing_pydataset_trains_evaluates_and_predicts_as_keras():
-    acc = Accelerator(steps_per_execution=1)
+    acc = Accelerator(steps_per_execution=1, **DEVICES)
     model, twin = _pair(acc)
     _check_like_keras(acc, model, twin, _Growing)
     predictions = acc.predict(model, _Growing(), verbose=0)
@@ -107,7 +110,7 @@ def test_growing_tf_data_batches_train_evaluate_and_predict_as_keras():
             ),
         )
 
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     # No note here: tf.data pads in its graph. On JAX each bucket is a new trace, which
     # the recompile guard names after warm-up; TensorFlow traces once, rows unknown.
@@ -143,7 +146,7 @@ def test_only_a_pipeline_without_a_known_batch_size_loses_its_static_rows():
     # keep a static batch dimension (what a TPU's compiled step needs). Only a pipeline
     # that says nothing (`from_generator`) pads to buckets, its batch dimension unknown.
     tf = pytest.importorskip("tensorflow")
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     static = -(-16 // acc.num_replicas) * acc.num_replicas
     batched = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
     spec = acc.dataset(batched).element_spec

@@ -3,7 +3,8 @@ TFRecord set read from files, Python generators, PyDatasets without a length or 
 
 Each is compared against plain single-device Keras on the same data (a "twin" with the
 same initial weights): losses per epoch, weights after fit, evaluate and predict. With 8
-replicas, batches of 16 rows over 43 rows leave a last batch of 11 real rows, padded.
+replicas (2 on TensorFlow), batches of 16 rows over 43 rows leave a last batch of 11 real
+rows, padded.
 
 TensorFlow traces every step program under an 8-replica MirroredStrategy for many seconds
 (a fused one longer still), so the tests keep their Accelerator calls few, and the ones
@@ -27,6 +28,10 @@ def tf():
 
 
 ONE_STEP = {"steps_per_execution": 1}
+
+# TensorFlow traces every step once per replica: two replicas take every cross-replica
+# path (`FEW_REPLICAS`); JAX's one program runs on every device.
+DEVICES = {"devices": FEW_REPLICAS} if keras.backend.backend() == "tensorflow" else {}
 
 
 def _pair(acc, **kwargs):
@@ -66,7 +71,7 @@ def _endless(x, y, size=BATCH):
 
 
 def test_tf_data_with_partial_last_batch_over_two_epochs(tf):
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
     got = acc.fit(model, dataset, epochs=2, verbose=0)
@@ -79,7 +84,7 @@ def test_tf_data_with_partial_last_batch_over_two_epochs(tf):
 
 
 def test_tf_data_of_unknown_cardinality(tf):
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     # 0 and 2 labels only: the filter leaves a number of rows tf.data cannot know.
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: y != 1).batch(BATCH)
@@ -100,7 +105,7 @@ def test_tf_data_of_unknown_cardinality(tf):
 
 
 def test_infinite_tf_data_with_steps_per_epoch(tf):
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     # 5 steps an epoch over 3 batches a pass: epochs start mid-pass, partial batch included.
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).repeat()
@@ -115,7 +120,7 @@ def test_infinite_tf_data_with_steps_per_epoch(tf):
 
 
 def test_tf_data_with_drop_remainder_is_not_padded(tf):
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc)
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH, drop_remainder=True)
     got = acc.fit(model, dataset, epochs=2, verbose=0)
@@ -125,7 +130,7 @@ def test_tf_data_with_drop_remainder_is_not_padded(tf):
 
 
 def test_unbatched_then_mapped_and_batched_tf_data(tf):
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc)
     # Rows made in the pipeline: x scaled, y computed from x, then batched.
     dataset = (
@@ -156,7 +161,7 @@ def test_unbatched_then_mapped_and_batched_tf_data(tf):
     ids=["one_step_per_call", "auto_fusion"],
 )
 def test_tf_data_validation_with_validation_steps(tf, fused):
-    acc = Accelerator() if fused else Accelerator(**ONE_STEP)
+    acc = Accelerator(**DEVICES) if fused else Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc)
     train = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
     vx, vy = data(40, seed=1)
@@ -216,7 +221,7 @@ def test_tfrecord_files_are_streamed_without_a_counting_pass(tf, tmp_path):
             if batch == 0 and self.seen is None:
                 type(self).seen = int(reads.numpy())
 
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc, batchnorm=False)
     got = acc.fit(model, dataset(), epochs=1, verbose=0, callbacks=[ReadsAtFirstStep()])
     # A counting pass would have parsed all 600 records before the first step. Read instead:
@@ -234,7 +239,7 @@ def test_tfrecord_files_are_streamed_without_a_counting_pass(tf, tmp_path):
 
 
 def test_finite_generator_fit_with_steps_evaluate_and_predict_one_pass():
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     # Two passes for two epochs of 3 steps; the last batch of each pass is padded.
     got = acc.fit(model, _slices(X, Y, passes=2), epochs=2, steps_per_epoch=3, verbose=0)
@@ -248,7 +253,7 @@ def test_finite_generator_fit_with_steps_evaluate_and_predict_one_pass():
 
 
 def test_endless_generator_with_steps_per_epoch():
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, twin = _pair(acc)
     got = acc.fit(model, _endless(X, Y), epochs=2, steps_per_epoch=4, verbose=0)
     want = twin.fit(_endless(X, Y), epochs=2, steps_per_epoch=4, verbose=0)
@@ -343,7 +348,7 @@ class ReadsPerEpoch(keras.callbacks.Callback):
 
 
 def test_pydataset_without_a_length_with_steps_per_epoch():
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc)
     got = acc.fit(
         model, Batches(X, Y, BATCH, length=False), epochs=2, steps_per_epoch=5,
@@ -359,7 +364,7 @@ def test_pydataset_without_a_length_with_steps_per_epoch():
 def test_pydataset_shuffle_permutes_batches_per_epoch_from_the_seed():
     from keras_accel.data.sources import PyDatasetBatches
 
-    acc = Accelerator(seed=3, **ONE_STEP)
+    acc = Accelerator(seed=3, **ONE_STEP, **DEVICES)
     with acc.scope():
         model = compiled_mlp(batchnorm=False)
     x, y = data(48)
@@ -385,7 +390,7 @@ def test_pydataset_shuffle_permutes_batches_per_epoch_from_the_seed():
 
 
 def test_pydataset_unshuffled_equals_keras():
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     model, twin = _pair(acc)
     got = acc.fit(model, Batches(X, Y, BATCH), epochs=2, shuffle=False, verbose=0)
     want = twin.fit(Batches(X, Y, BATCH), epochs=2, shuffle=False, verbose=0)
@@ -400,7 +405,7 @@ def test_pydataset_unshuffled_equals_keras():
 
 
 def test_an_empty_generator_is_a_clear_error():
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     model, _ = _pair(acc)
     with pytest.raises(ValueError, match="generator is empty"):
         acc.fit(model, (batch for batch in []), epochs=1, verbose=0)
@@ -409,7 +414,7 @@ def test_an_empty_generator_is_a_clear_error():
 def test_a_schedule_needing_total_steps_over_an_unknown_length_names_steps_per_epoch():
     from keras_accel.schedules import CosineDecay
 
-    acc = Accelerator(**ONE_STEP)
+    acc = Accelerator(**ONE_STEP, **DEVICES)
     with acc.scope():
         model = compiled_mlp(optimizer=keras.optimizers.SGD(CosineDecay(0.1)))
     with pytest.raises(ValueError, match="steps_per_epoch"):
@@ -422,7 +427,7 @@ def test_a_schedule_needing_total_steps_over_an_unknown_length_names_steps_per_e
 def test_a_schedule_needing_total_steps_over_unknown_tf_data_names_steps_per_epoch(tf):
     from keras_accel.schedules import CosineDecay
 
-    acc = Accelerator()
+    acc = Accelerator(**DEVICES)
     with acc.scope():
         model = compiled_mlp(optimizer=keras.optimizers.SGD(CosineDecay(0.1)))
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: y >= 0).batch(BATCH)
@@ -457,7 +462,7 @@ def _loop_over(loop, make, epochs=2):
 
 @pytest.mark.parametrize("kind", ["tf_data", "generator"])
 def test_custom_loop_over_streams(kind, tf):
-    acc = Accelerator(seed=0)
+    acc = Accelerator(seed=0, **DEVICES)
     model, twin, loop = _loop_pair(acc)
     if kind == "tf_data":
         make = lambda: tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)  # noqa: E731
@@ -474,7 +479,7 @@ def test_custom_loop_over_streams(kind, tf):
 
 @pytest.mark.parametrize("kind", ["tf_data", "generator"])
 def test_custom_loop_predict_over_streams(kind, tf):
-    acc = Accelerator(seed=0)
+    acc = Accelerator(seed=0, **DEVICES)
     model, twin, loop = _loop_pair(acc)
     stream = tf.data.Dataset.from_tensor_slices(X).batch(BATCH) if kind == "tf_data" else None
     stream = _slices(X) if stream is None else stream
