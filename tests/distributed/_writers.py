@@ -13,7 +13,8 @@ Beside them, a tracker's logger as W&B's and MLflow's Keras callbacks are (`RunL
 run of its own in every process that builds one, each epoch's logs appended to it), once
 wrapped in `chief_only` (WORKDIR/tracked/) and once bare (WORKDIR/untracked/), and a
 `CSVLogger` wrapped in `chief_only` (WORKDIR/chief.csv), which acc.fit's own redirection of
-Keras's writers does not see.
+Keras's writers does not see. And W&B's own `WandbMetricsLogger`, offline, as docs/trackers.md
+sets it up (the run and the callback on the chief): its run under WORKDIR/wandb/.
 """
 
 import argparse
@@ -59,6 +60,13 @@ class RunLogger(keras.callbacks.Callback):
 
 
 acc = Accelerator(seed=0, devices=args.devices)
+# W&B as docs/trackers.md's recipe has it: the run and its callback on the chief alone.
+import wandb  # noqa: E402
+from wandb.integration.keras import WandbMetricsLogger  # noqa: E402
+
+if acc.is_chief:
+    wandb.init(project="keras-accel-tests", mode="offline", dir=args.workdir)
+tracker = [WandbMetricsLogger()] if acc.is_chief else []
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 6)).astype("float32")
 y = (x[:, 0] > 0).astype("int64")
@@ -82,8 +90,11 @@ acc.fit(
         chief_only(RunLogger(os.path.join(workdir, "tracked"))),
         RunLogger(os.path.join(workdir, "untracked")),
         chief_only(keras.callbacks.CSVLogger(os.path.join(workdir, "chief.csv"))),
+        *tracker,
     ],
 )
+if acc.is_chief:
+    wandb.finish()
 acc.evaluate(model, x, y, batch_size=16, verbose=0, callbacks=[board])
 with open(os.path.join(workdir, f"writers-{acc.process_index}.json"), "w") as f:
     json.dump(

@@ -1,8 +1,9 @@
 """Keras's own file-writing callbacks over 2 processes (`keras-accel launch -n 2`, the script
 unchanged): one set of files, the chief's, as one process writes them
 (keras_accel/state/keras_writers.py); and in the same launch, a tracker's logger and a
-`CSVLogger` wrapped in `keras_accel.callbacks.chief_only`: one run, each epoch once, the
-logs of one process (docs/trackers.md)."""
+`CSVLogger` wrapped in `keras_accel.callbacks.chief_only`, and W&B's `WandbMetricsLogger`
+offline as docs/trackers.md sets it up: one run, each epoch once, the logs of one process
+(docs/trackers.md)."""
 
 import glob
 import json
@@ -58,6 +59,33 @@ def _runs(folder):
         with open(path) as f:
             found.append([json.loads(line) for line in f.read().splitlines()])
     return found
+
+
+def _wandb_runs(workdir):
+    """The offline W&B runs under `workdir`: for each, its history rows (what
+    `WandbMetricsLogger` logged, each epoch a row), read from the run's `.wandb` file with
+    W&B's own reader (what `wandb sync` reads)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    runs = []
+    for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb"))):
+        store = datastore.DataStore()
+        store.open_for_scan(path)
+        rows = []
+        while (data := store.scan_data()) is not None:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            row = {}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if key.startswith("epoch/") and key != "epoch/learning_rate":
+                    row[key.removeprefix("epoch/")] = json.loads(item.value_json)
+            rows.append(row)
+        runs.append(rows)
+    return runs
 
 
 def _assert_same_logs(rows, expected):
@@ -120,3 +148,8 @@ def test_tensorboard_csv_logger_and_model_checkpoint_write_once_over_two_process
         [dict(zip(columns, map(float, row.split(",")))) for row in rows[1:]],
         [dict(zip(columns, map(float, row.split(",")))) for row in expected[1:]],
     )
+    # W&B itself, offline, as docs/trackers.md sets it up: one run of two epochs, the
+    # global logs (before: a run from each process).
+    ((wandb_rows,),) = [_wandb_runs(two)]
+    ((wandb_alone,),) = [_wandb_runs(one)]
+    _assert_same_logs(wandb_rows, wandb_alone)
