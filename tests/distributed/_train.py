@@ -1,7 +1,8 @@
 """One process of a multi-process run, started by `keras-accel launch` (or alone, as the
 one-process reference). Usage:
 
-    python _train.py WORKDIR [--devices N] [--die PROCESS:STEP] [--stall-at STEP]
+    python _train.py WORKDIR [--devices N] [--die PROCESS:STEP] [--stop PROCESS:STEP]
+                     [--stall-at STEP]
 
 Trains a small seeded model (Dense, BatchNormalization; SGD with momentum) through
 `Accelerator.fit` on 100 rows in global batches of 16 (7 steps per epoch, the last padded,
@@ -15,6 +16,8 @@ through ModelCheckpoint's saver) is logged to WORKDIR/writes-<process>.txt, so a
 see which process wrote what.
 
 --die P:S     process P SIGKILLs itself at the end of global step S.
+--stop P:S    process P SIGSTOPs itself at the end of global step S (a stuck host, a frozen
+              file system: it stops answering without exiting).
 --loop custom the same training through `Accelerator.loop` (a custom loop), no callbacks.
 --stall-at S  every process writes WORKDIR/at-<S>-<process> at step S and then sleeps 0.3 s
               per step (a window for a test to send SIGTERM).
@@ -39,6 +42,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("workdir")
 parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--die", default=None)
+parser.add_argument("--stop", default=None)
 parser.add_argument("--stall-at", type=int, default=None)
 parser.add_argument("--loop", choices=["fit", "custom"], default="fit")
 parser.add_argument("--then-defaults", action="store_true")
@@ -114,6 +118,8 @@ class Events(keras.callbacks.Callback):
         self.step += 1
         if args.die and args.die == f"{me}:{self.step}":
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.stop and args.stop == f"{me}:{self.step}":
+            os.kill(os.getpid(), signal.SIGSTOP)
         if args.stall_at is not None and self.step >= args.stall_at:
             if self.step == args.stall_at:
                 open(os.path.join(args.workdir, f"at-{self.step}-{me}"), "w").close()

@@ -49,18 +49,18 @@ def _env():
     return env
 
 
-def _launch_command(workdir, *extra, script=SCRIPT):
+def _launch_command(workdir, *extra, script=SCRIPT, launcher=()):
     command = [sys.executable, "-m", "keras_accel.cli.main", "launch", "-n", str(PROCESSES)]
-    command += ["--grace", str(GRACE_S)]
+    command += ["--grace", str(GRACE_S), *launcher]
     if BACKEND == "jax":
         command += ["--devices-per-process", str(LOCAL_DEVICES // PROCESSES)]
     return [*command, script, str(workdir), *extra]
 
 
-def launch(workdir, *extra, check=True, script=SCRIPT):
+def launch(workdir, *extra, check=True, script=SCRIPT, launcher=()):
     os.makedirs(workdir, exist_ok=True)
     result = subprocess.run(
-        _launch_command(workdir, *extra, script=script),
+        _launch_command(workdir, *extra, script=script, launcher=launcher),
         env=_env(),
         capture_output=True,
         text=True,
@@ -197,12 +197,20 @@ def _drop_backups_after(workdir, step):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def test_a_killed_process_stops_the_launch_and_the_rerun_resumes(run, tmp_path):
+def test_a_stopped_process_is_named_stops_the_launch_and_the_rerun_resumes(run, tmp_path):
+    """Process 1 stops answering at step 10 (SIGSTOP: a stuck host, a frozen file system)
+    while process 0 waits for it in a collective: the launcher names process 1, not the
+    healthy one, past `--stall-timeout`, and ends the launch; the rerun resumes from the
+    last backup. (A process that dies, SIGKILL, takes the same way from there: named by its
+    exit, tests/cli/test_launch.py with plain processes, and on JAX's processes
+    `test_a_killed_run_resumes_from_an_s3_backup`.)"""
     start = time.monotonic()
-    failed = launch(tmp_path, "--die", "1:10", check=False)
+    failed = launch(tmp_path, "--stop", "1:10", check=False, launcher=("--stall-timeout", "5"))
     elapsed = time.monotonic() - start
     assert failed.returncode != 0
-    assert "process 1" in failed.stderr and "killed by SIGKILL" in failed.stderr, failed.stderr
+    assert "process 1 (pid " in failed.stderr, failed.stderr
+    assert "stopped answering: it has been stopped (state T: SIGSTOP" in failed.stderr
+    assert "process 0 (pid" not in failed.stderr, failed.stderr  # Not named as the cause.
     # Start-up (~10-20 s), training to step 10, then at most the grace for the survivor:
     # stopped by the launcher, not by TIMEOUT_S. The margin is for a loaded machine (the
     # suite runs both backends side by side).
