@@ -2,7 +2,7 @@
 
 Keras hands a callback the model (`set_model`), Keras's `params` (`set_params`) and the logs
 of each hook. keras_accel adds what a callback cannot learn from those: how many steps one
-host call runs, which batches a resumed run re-runs, the processes. Any
+host call runs, which batches a resumed run skips or re-runs, the processes. Any
 `keras.callbacks.Callback` may define any of these methods; none is required, and a
 callback that defines none behaves exactly as under Keras:
 
@@ -68,9 +68,14 @@ class RunContext:
         restores: how many times variables were assigned from a backup (a restore, and the
             end of a mid-epoch replay): a callback that counts steps on the host reads the
             optimizer's count again when this changes.
-        replay_epoch, replay_batch: during a mid-epoch resume, the batches of `replay_epoch`
-            before `replay_batch` only re-run to reach the restored position (their effect
-            is overwritten); `replaying(epoch, batch)` says whether a batch is one of them.
+        began_late: `(epoch, batch)` where this fit began `epoch` at `batch` (a mid-epoch
+            resume under `Accelerator.fit` over data read by position): batches before it
+            were not run in this fit, and callbacks see the batches from `batch` on, with
+            the uninterrupted run's numbers; None otherwise.
+        replay_epoch, replay_batch: during a mid-epoch resume that cannot begin late, the
+            batches of `replay_epoch` before `replay_batch` only re-run to reach the
+            restored position (their effect is overwritten); `replaying(epoch, batch)`
+            says whether a batch is one of them (never, in an epoch begun late).
         epoch_end: `(epoch, logs)` while `BackupAndRestore` takes a backup at the end of
             `epoch` (the logs Keras passes to every `on_epoch_end`), else None. The backup
             is taken in its own `on_epoch_end`, which may run before yours: a callback
@@ -114,8 +119,12 @@ class RunContext:
         self.steps: int | None = None
         self.resumed_at: tuple[int, int] | None = None
         self.restores = 0
+        self.began_late: tuple[int, int] | None = None
         self.replay_epoch: int | None = None
         self.replay_batch = 0
+        # Set by the Accelerator for a fit whose data can begin an epoch part-way.
+        self._begin_epoch_at: Callable[[int, int], bool] | None = None
+        self.late_epoch_stops = False
         self.epoch_end: tuple[int, dict] | None = None
         self.metric_state = None
         self._on_exit: Callable[[Callable[[], None]], None] | None = None
@@ -159,6 +168,14 @@ class RunContext:
             return False
         return batch < self.replay_batch
 
+    def begin_epoch_at(self, epoch: int, batch: int) -> bool:
+        """Ask the fit in progress to begin `epoch` at `batch` (its first `batch` batches
+        not run): True where its data will (`Accelerator.fit` over arrays, memory maps,
+        array-likes or a `PyDataset`, epochs of whole passes, `batch` at the end of a
+        host call), False elsewhere (then nothing changed). For `BackupAndRestore`."""
+        begin = self._begin_epoch_at
+        return begin is not None and bool(begin(int(epoch), int(batch)))
+
     def call_on_exit(self, function: Callable[[], None]) -> None:
         """Run `function()` when the Accelerator call in progress ends, however it ends
         (newest first, with the call's own undos). Only during such a call (in
@@ -182,6 +199,15 @@ class RunContext:
         patches.set(self, "epochs", None if epochs is None else int(epochs))
         patches.set(self, "steps", None if steps is None else int(steps))
         patches.set(self, "_on_exit", patches.add)
+        patches.set(self, "_begin_epoch_at", None)  # A fit that can says so (`can_begin_late`).
+
+    def can_begin_late(self, patches, begin: Callable[[int, int], bool], stops: bool) -> None:
+        """The Accelerator's side: this fit's data begins an epoch part-way with
+        `begin(epoch, batch) -> bool`, until `patches` are restored. `stops`: Keras's loop
+        must be stopped at that epoch's last batch (`late_epoch_stops`), rather than
+        find the data's end."""
+        patches.set(self, "_begin_epoch_at", begin)
+        patches.set(self, "late_epoch_stops", bool(stops))
 
     def __repr__(self) -> str:
         return (

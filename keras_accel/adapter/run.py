@@ -17,8 +17,10 @@ import numpy as np
 from keras_accel.adapter import callback_list, choice, fusion, inputs
 from keras_accel.adapter.guard import RecompileGuard
 from keras_accel.adapter.pipeline import is_pipeline, preprocessor
+from keras_accel.adapter.protocol import run_context
 from keras_accel.adapter.session import FunctionCache, Session
 from keras_accel.adapter.steps import StepContract
+from keras_accel.data import start
 from keras_accel.utils import keras_internals
 from keras_accel.utils.optimizers import inner_optimizer
 
@@ -83,6 +85,16 @@ class Runner:
                 fusion.install(
                     patches, model, n, callbacks, kind="train", epochs=int(epochs), steps=steps
                 )
+                if steps_per_epoch is None:  # Epochs of whole passes: one may begin late.
+                    # TensorFlow reads a step's batch inside the step's graph, whose other
+                    # ops may run before the data's end is found (the optimizer counted one
+                    # more step, measured): Keras's loop is stopped at the late epoch's
+                    # last batch. JAX's and torch's steps read theirs in Python first.
+                    run_context(model).can_begin_late(
+                        patches,
+                        functools.partial(begin_late, train_data, n),
+                        stops=keras.backend.backend() == "tensorflow",
+                    )
 
             with (
                 self.scope(),
@@ -218,6 +230,13 @@ class Runner:
                 f"Received: callbacks={callbacks!r}"
             )
         return [*(callbacks or []), *own]
+
+
+def begin_late(train_data, n: int, epoch: int, batch: int) -> bool:
+    """Have `train_data` begin `epoch` at `batch` (a resume, `keras_accel.data.start`)
+    where `batch` ends a host call of `n` steps (each call's group as in the uninterrupted
+    run)."""
+    return batch % n == 0 and start.start_at(train_data, epoch, batch)
 
 
 def keras_method(model, name: str):

@@ -69,11 +69,16 @@ class BackupAndRestore(keras.callbacks.Callback):
       record; your own callbacks' too, see below), the Python and NumPy random generator
       states, the variable manifest, the versions.
     - **mid-epoch resume**: with `save_freq=N` (steps) a backup can fall inside an epoch.
-      Keras cannot start an epoch part-way, so the resumed run re-runs that epoch's first
-      batches and, when it reaches the backup's position, restores the state again: their
-      effect is overwritten, and training continues bit-for-bit as the uninterrupted run
+      Under `Accelerator.fit` over arrays, memory maps, array-likes or a `PyDataset`, the
+      resumed run begins that epoch at the backup's batch: nothing is computed for the
+      batches before it, callbacks see the uninterrupted run's batch numbers, and the
+      epoch's logs are the whole epoch's (the metrics' totals come from the backup).
+      Elsewhere (a plain `model.fit`, generators, tf.data) Keras cannot start an epoch
+      part-way, so the resumed run re-runs that epoch's first batches and, when it
+      reaches the backup's position, restores the state again: their effect is
+      overwritten. Either way training continues bit-for-bit as the uninterrupted run
       would (given a data order that depends only on the epoch, as `Accelerator.fit`
-      guarantees). Other keras_accel callbacks ignore the re-run batches, and yours can
+      guarantees). Other keras_accel callbacks ignore re-run batches, and yours can
       (`run_context(model).replaying(epoch, batch)`).
     - **rotation and atomic commits** by the engine: the newest `max_to_keep` backups are
       kept (default 5, as the seed's `CheckpointManager`), one per training step; a backup
@@ -278,12 +283,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._current_epoch = epoch
         self._last_batch_seen = 0
-        self._resume.epoch_began(self._model)
+        self._resume.epoch_began(self._model, epoch)
 
     def fusion_period(self, kind: str, steps: int | None) -> int | None:
         """Host-loop fusion (`keras_accel.adapter.protocol`): with `save_freq=N` every group
         of fused steps must end where a backup falls, so groups divide N and the epoch."""
         return schedule.fusion_period(self.save_freq, kind, steps)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._resume.batch_began()  # An epoch begun late: its first step's generators.
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self._steps_per_epoch()
@@ -316,6 +324,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         run_context(self._model).replay_epoch = None
+        self._resume.epoch_ended(epoch)  # A late epoch's batches numbered as Keras's again.
         self._current_epoch, self._last_batch_seen = epoch + 1, 0
         if self.save_freq == "epoch" or self._schedule.at_epoch_end:
             self._schedule.at_epoch_end = False
@@ -492,7 +501,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         metric_state = run_context(model).metric_state
         if metric_state is not None:  # The metrics' state of one process: each its share.
             metric_state.after_restore(restored)
-        self._resume.restored(model, meta, restored)
+        calls = None if self._calls is None else self._calls()
+        self._resume.restored(model, meta, restored, calls)
         self._schedule.resume(meta["steps_done"], epoch, batch)
         self._current_epoch, self._last_batch_seen = epoch, max(batch - 1, 0)
         if self.verbose > 0:

@@ -21,12 +21,15 @@ from keras_accel.data.batching import (
 )
 from keras_accel.data.class_weights import check_class_weight, class_weights_to_sample_weights
 from keras_accel.data.inputs import standardize_sample_weight, to_numpy
+from keras_accel.data.start import StartsLate
 
 
-class ArrayBatches:
+class ArrayBatches(StartsLate):
     """Static-size batches over arrays, gathered one batch at a time: in-memory numpy
     arrays, and memory maps and array-likes on disk (`keras_accel.data.on_disk`), read
-    from the disk a batch of rows at a time (`on_disk`: whether any array is)."""
+    from the disk a batch of rows at a time (`on_disk`: whether any array is). An epoch
+    begun late (`begin_epoch_at`, a resume) serves its batches from there: position `i`
+    of it is batch `i + skipped`."""
 
     reads_rows = True  # `batch(rows=...)` reads one process's rows alone.
 
@@ -110,7 +113,7 @@ class ArrayBatches:
         self._made_weights = bool(value) and self.sample_weight is None
 
     def __len__(self) -> int:
-        return self.plan.num_batches
+        return self.plan.num_batches - self.skipped
 
     @property
     def batch_bytes(self) -> int:
@@ -157,8 +160,12 @@ class ArrayBatches:
         (`BatchPlan.weight_scales`). `rows` (a slice of the padded batch's positions): only
         those rows of it, read without the others (one process's share of a global batch),
         the same rows, weights and mask as the whole batch's `[rows]`."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"batch index {index} out of range for {len(self)} batches")
+        # Without `epoch`: a position in the current epoch, which may have begun late.
+        count = len(self) if epoch is None else self.plan.num_batches
+        if not 0 <= index < count:
+            raise IndexError(f"batch index {index} out of range for {count} batches")
+        if epoch is None:
+            index += self.skipped
         plan = self.plan
         real = int(plan.real_rows[index])
         first, stop, size = 0, real, plan.batch_rows(index)
@@ -186,9 +193,11 @@ class ArrayBatches:
         batches are but for the last, else written batch by batch into the stacked arrays
         (never a list of the batches beside them)."""
         plan = self.plan
+        first += self.skipped
         real = plan.real_rows[first : first + count]
         if not (len(real) == count and (real == plan.static_rows).all()):
-            return _stacked((self.batch(index) for index in range(first, first + count)), count)
+            epoch = self.epoch  # Batches of the whole epoch, by their place in it.
+            return _stacked((self.batch(i, epoch) for i in range(first, first + count)), count)
         rows = plan.batch_size  # Full batches: as many rows as the static size.
         read = self._reader(self.epoch, first * rows, (first + count) * rows)
 

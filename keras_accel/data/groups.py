@@ -43,6 +43,11 @@ class ArrayGroupPasses(PaddedBatchesAdapter):
     def num_batches(self):
         return len(self.batches)
 
+    @property
+    def keras_accel_indexed_batches(self):
+        # Read by position in the epoch (`len`, `group`): they can begin it late.
+        return self.batches
+
     def keras_accel_first_batch(self):
         # What `Accelerator` builds the model from (`_first_batch`).
         return self.batches.batch(0)

@@ -46,9 +46,12 @@ class StaticBatchDataset(keras.utils.PyDataset):
         if hasattr(plan, "cut_of"):  # A PyDataset: a batch's rows are known as it is read.
             batch = self.batches.batch(index, scale=not self.carry_mask)
             return _marked(batch, plan, self.carry_mask, self.rows)
+        # The batch's place in the whole epoch, which may have begun late (a resume,
+        # `keras_accel.data.start`): the plan's facts are about that batch.
+        place = index + getattr(self.batches, "skipped", 0)
         # The real rows the step cuts a marked batch to (`BatchPlan.cut_rows`), or None.
-        cut = plan.cut_rows(index)
-        if self.rows is not None and getattr(plan, "replicated", lambda index: False)(index):
+        cut = plan.cut_rows(place)
+        if self.rows is not None and getattr(plan, "replicated", lambda index: False)(place):
             # Every process reads this batch whole: its step runs on all of its real rows in
             # every process, as one device runs it (`remainder="replicate"`).
             batch = self.batches.batch(index, scale=not self.carry_mask)

@@ -56,6 +56,7 @@ from keras_accel.data.inputs import (
     standardize_element,
     to_numpy,
 )
+from keras_accel.data.start import StartsLate
 
 __all__ = [
     "ARRAYS",
@@ -175,7 +176,7 @@ def _shape_of(batch: tuple) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-class PyDatasetBatches:
+class PyDatasetBatches(StartsLate):
     """A user's `keras.utils.PyDataset`, every batch padded to one static size as it is read.
 
     The static size is the first batch's rows rounded up to a replica multiple; any batch
@@ -239,12 +240,13 @@ class PyDatasetBatches:
 
     @property
     def num_batches(self) -> int | None:
-        return self.count
+        """The batches of the current epoch (fewer in one begun late: `begin_epoch_at`)."""
+        return None if self.count is None else self.count - self.skipped
 
     def __len__(self) -> int:
         if self.count is None:
             raise TypeError("An infinite PyDataset (num_batches=None) has no length.")
-        return self.count
+        return self.count - self.skipped
 
     def source_index(self, index: int) -> int:
         if not self.shuffle:
@@ -259,8 +261,9 @@ class PyDatasetBatches:
     def batch(self, index: int, epoch: int | None = None, scale: bool = False):
         """Padded batch `index` of the current epoch: `(x, y, sample_weight, row_mask)`.
         `scale=True` weights it for a plain `model.fit` (`StreamPlan.weight_scale`)."""
-        if self.count is not None and not 0 <= index < self.count:
-            raise IndexError(f"batch index {index} out of range for {self.count} batches")
+        if self.count is not None and not 0 <= index < len(self):
+            raise IndexError(f"batch index {index} out of range for {len(self)} batches")
+        index += self.skipped  # Its place in the epoch, which may have begun late.
         where = self.source_index(index)
         batch = self._read(where)
         self._padder.check(batch, f"Batch {where}")

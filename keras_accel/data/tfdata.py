@@ -86,19 +86,29 @@ def array_pipeline(
     """
     plan = batches.plan
     rows = plan.batch_size
+    total = plan.num_batches  # The whole epoch's batches.
     leaves, order, real_rows = _array_sources(batches)
+    indices = tf.data.Dataset.range(total)
+    first = None
+    if carry_mask:
+        # A fit's pipeline: an epoch begun late (a resume, `keras_accel.data.start`) reads
+        # from its first batch on, in a variable that follows `batches.skipped`; the batches
+        # before are not gathered. (Then the length is not known in the graph: the fit's
+        # adapter says it.)
+        first = _first_batch_variable(batches)
+        indices = indices.filter(lambda index: index >= first.read_value())
     if preprocess is None:
         # Several batches per map call, cut apart by `unbatch` (the same batches).
-        group = _group_size(leaves, plan.static_rows, len(batches))
+        group = _group_size(leaves, plan.static_rows, total)
         load = _group_loader(batches, leaves, real_rows, order, carry_mask)
         dataset = (
-            tf.data.Dataset.range(len(batches))
-            .batch(group)
+            indices.batch(group)
             .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             .unbatch()
-            # `unbatch` forgets the length, which Keras reads as the epoch's steps.
-            .apply(tf.data.experimental.assert_cardinality(len(batches)))
         )
+        if first is None:
+            # `unbatch` forgets the length, which Keras reads as the epoch's steps.
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(total))
     else:
         pad = batch_padder(plan.static_rows, carry_mask, preprocess, plan.weight_scales)
 
@@ -111,10 +121,20 @@ def array_pipeline(
             )
             return pad(index, x, y, sample_weight)
 
-        dataset = tf.data.Dataset.range(len(batches)).map(
-            load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-        )
-    return _with_array_options(dataset)
+        dataset = indices.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    dataset = _with_array_options(dataset)
+    if first is not None:
+        dataset.keras_accel_starts_late = batches  # What `start.indexed_batches` asks.
+    return dataset
+
+
+def _first_batch_variable(batches: ArrayBatches) -> tf.Variable:
+    """The first batch of the current epoch (0 but in an epoch begun late), as a variable
+    that follows `batches.epoch`."""
+    with tf.device("/cpu:0"):
+        first = tf.Variable(np.int64(batches.skipped), trainable=False, name="first_batch")
+    batches.epoch_listeners.append(lambda value: first.assign(np.int64(batches.skipped)))
+    return first
 
 
 def _array_sources(batches: ArrayBatches):

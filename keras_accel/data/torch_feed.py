@@ -118,8 +118,10 @@ class TorchBatches(DatasetPasses):
                 return torch.as_tensor(leaf, device=device)
             return None if leaf is None else keras.ops.convert_to_tensor(leaf)
 
+        # An epoch begun late (a resume) draws as the rest of its epoch would.
+        skipped = getattr(self.dataset.batches, "skipped", 0)
         for index in range(self.dataset.num_batches):
-            draws(index)
+            draws(index + skipped)
             yield keras.tree.map_structure(convert, self.dataset[index])
 
 

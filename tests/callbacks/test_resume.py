@@ -19,11 +19,15 @@ import signal
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
+from keras_accel import Accelerator
+from keras_accel.callbacks import BackupAndRestore, run_context
 from keras_accel.schedules import PiecewiseConstant
 from tests.gcs_emulator import gcs_like_google  # noqa: F401 (a fixture, for gs://)
+from tests.helpers import compiled_mlp, data
 
 pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch: one process, one device.
 
@@ -206,3 +210,101 @@ def test_a_crashed_run_resumes_after_its_last_epoch_into_layers_made_in_another_
     for key in a.files:  # Bit for bit: the restore is exact, the rest deterministic.
         np.testing.assert_array_equal(c[key], a[key], err_msg=key)
     assert int(c["iterations"]) == EPOCHS * STEPS_PER_EPOCH
+
+
+# ---------------------------------------------------------------- an epoch begun late
+# In one process, fast: a fit stopped by an exception right after the backup of batch k of
+# epoch 1 (the fit lets go of the directory at once), then the same fit again on a model
+# built afresh. The resumed fit begins epoch 1 at batch k: it runs none of the batches
+# before (the old way re-ran them and restored again), its callbacks see the uninterrupted
+# run's batch numbers, the epoch's mean loss is the whole epoch's, the weights are the
+# uninterrupted run's bit for bit.
+
+LATE_ROWS, LATE_BATCH = 52, 8  # 7 batches an epoch, the last one padded.
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Seen(keras.callbacks.Callback):
+    """The batches whose ends the callbacks see, and the epochs' logs; stops the fit (an
+    exception) at the end of `stop_at` = (epoch, batch)."""
+
+    def __init__(self, stop_at=None):
+        super().__init__()
+        self.stop_at, self.batches, self.logs, self.replayed = stop_at, [], {}, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if run_context(self.model).replaying(self.epoch, batch):
+            self.replayed += 1
+            return
+        self.batches.append((self.epoch, batch))
+        if (self.epoch, batch) == self.stop_at:
+            raise _Stop
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs[epoch] = dict(logs)
+
+
+class _Rows(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // LATE_BATCH)
+
+    def __getitem__(self, index):
+        cut = slice(index * LATE_BATCH, (index + 1) * LATE_BATCH)
+        return self.x[cut], self.y[cut]
+
+
+def _late_fit(tmp_path, name, inputs, seen):
+    acc = Accelerator(seed=0)
+    with acc.scope():
+        model = compiled_mlp(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), dropout=True)
+    x, y = data(LATE_ROWS)
+    data_args = (x, y) if inputs == "arrays" else (_Rows(x, y), None)
+    backup = BackupAndRestore(str(tmp_path / f"{name}.backup"), save_freq=1)
+    try:
+        acc.fit(
+            model,
+            *data_args,
+            batch_size=LATE_BATCH if inputs == "arrays" else None,
+            epochs=2,
+            verbose=0,
+            callbacks=[backup, seen],
+        )
+    except _Stop:
+        return None
+    return [np.asarray(w) for w in model.get_weights()] + [np.asarray(model.optimizer.iterations)]
+
+
+@pytest.mark.parametrize(
+    "inputs, stops", [("arrays", (1, 3, 6)), ("pydataset", (3,))], ids=["arrays", "pydataset"]
+)
+def test_a_resumed_epoch_begins_at_its_backup(tmp_path, backend, num_devices, inputs, stops):
+    # TensorFlow on one device builds the compiled metrics at the first step: a fresh
+    # model has none to restore their totals into (docs/callbacks.md), only the loss's.
+    keys = ["loss"] if backend == "tensorflow" and num_devices == 1 else None
+    whole = _Seen()
+    expected = _late_fit(tmp_path, "whole", inputs, whole)
+    for done in stops:  # The backup after `done` batches: the first, the middle, the last but one.
+        name = f"stopped{done}"
+        assert _late_fit(tmp_path, name, inputs, _Seen(stop_at=(1, done - 1))) is None
+        resumed = _Seen()
+        weights = _late_fit(tmp_path, name, inputs, resumed)
+        # Batches 0..done-1 of epoch 1 never ran again: no callback saw them.
+        assert resumed.batches == [(1, b) for b in range(done, 7)], done
+        assert resumed.replayed == 0, done
+        for a, b in zip(expected, weights, strict=True):
+            np.testing.assert_array_equal(b, a, err_msg=f"stopped after {done}")
+        # The epoch's logs are the whole epoch's (the first batches' share from the backup;
+        # under a MirroredStrategy the replicas' metric totals add up in another order).
+        expected_logs = {k: whole.logs[1][k] for k in keys or whole.logs[1]}
+        logs = {k: resumed.logs[1][k] for k in expected_logs}
+        assert logs == pytest.approx(expected_logs, rel=1e-6, abs=0), done

@@ -389,6 +389,13 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
         self.strategy = strategy
         self._adapter = None
         self._distributed = None
+        self._in_epoch = False
+
+    @property
+    def keras_accel_indexed_batches(self):
+        # Our PyDataset (`StaticBatchDataset`), read by Keras's adapter by position: it can
+        # begin an epoch late.
+        return getattr(self.keras_accel_local, "batches", None)
 
     @property
     def adapter(self):
@@ -411,9 +418,15 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
         return self.adapter.get_numpy_iterator()
 
     def on_epoch_begin(self):
+        if self._in_epoch:
+            # An epoch begun late (a resume) ends by Keras's `stop_training` where its data
+            # ends, before Keras ends its adapter's epoch: ended here, as Keras would have.
+            self.adapter.on_epoch_end()
+        self._in_epoch = True
         self.adapter.on_epoch_begin()
 
     def on_epoch_end(self):
+        self._in_epoch = False
         self.adapter.on_epoch_end()
 
     @property
@@ -469,6 +482,11 @@ class HostBatches(PaddedBatchesAdapter):
 
     def get_tf_dataset(self):
         return self._passes
+
+    @property
+    def keras_accel_indexed_batches(self):
+        # Read by position in the epoch (`_HostPasses`): they can begin it late.
+        return self.batches
 
     @property
     def num_batches(self):
@@ -567,6 +585,11 @@ class DistributedBatches(PaddedBatchesAdapter):
 
     def get_tf_dataset(self):
         return self.distributed
+
+    @property
+    def keras_accel_indexed_batches(self):
+        # An array pipeline that can begin an epoch late (`tfdata.array_pipeline`), or None.
+        return getattr(self.keras_accel_local, "keras_accel_starts_late", None)
 
     @property
     def num_batches(self):
