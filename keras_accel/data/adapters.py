@@ -70,6 +70,11 @@ class DatasetPasses(PaddedBatchesAdapter):
         # What `Accelerator` builds the model from (`_first_batch`).
         return unpack(self.dataset[0])
 
+    @property
+    def keras_accel_indexed_batches(self):
+        # The dataset's, read by position: an epoch may begin late (`data.start`).
+        return getattr(self.dataset, "keras_accel_indexed_batches", None)
+
     def on_epoch_begin(self):
         self.dataset.on_epoch_begin()
 

@@ -33,6 +33,11 @@ class StaticBatchDataset(keras.utils.PyDataset):
         self.rows = rows
 
     @property
+    def keras_accel_indexed_batches(self):
+        # Read by position in the epoch: they can begin it late (`keras_accel.data.start`).
+        return self.batches
+
+    @property
     def num_batches(self):
         if hasattr(self.batches, "num_batches"):  # None: a PyDataset without a length.
             return self.batches.num_batches

@@ -31,17 +31,10 @@ class StartsLate:
 
 def indexed_batches(fed):
     """The batches that `fed` (what `fit` is given: a Keras data adapter or PyDataset of
-    ours) reads by position in its epoch, with `begin_epoch_at`; None for anything else
-    (tf.data pipelines, streams), which cannot begin part-way."""
-    from keras_accel.data.adapters import DatasetPasses
-    from keras_accel.data.pydataset import StaticBatchDataset
-
-    if isinstance(fed, DatasetPasses):
-        fed = fed.dataset
-    if isinstance(fed, StaticBatchDataset):
-        batches = fed.batches
-    else:
-        batches = getattr(fed, "keras_accel_indexed_batches", None)
+    ours) reads by position in its epoch, which can begin an epoch late; None for anything
+    else (a stream, a tf.data input), which cannot. A feed says so with its
+    `keras_accel_indexed_batches`."""
+    batches = getattr(fed, "keras_accel_indexed_batches", None)
     return batches if isinstance(batches, StartsLate) else None
 
 

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from keras_accel.data.adapters import DatasetPasses
+from keras_accel.data.pydataset import StaticBatchDataset
 
 # numpy dtypes whose tensor Keras's torch `convert_to_tensor` makes with the same dtype
 # (`torch.as_tensor(x, dtype=..., device=...)`); any other (uint32, which Keras widens;
@@ -123,6 +124,10 @@ class TorchBatches(DatasetPasses):
         for index in range(self.dataset.num_batches):
             draws(index + skipped)
             yield keras.tree.map_structure(convert, self.dataset[index])
+        if skipped:
+            # Keras ends an epoch of known length after its last batch by making the next
+            # iterator at once (a draw); one begun late ends where its data does, without.
+            draw_as_an_iterator_is_made()
 
 
 class TorchLoader:
@@ -162,3 +167,16 @@ class _LoaderIterator:
     def draw_first_read(self) -> None:
         """The draws of reading the first batch, without reading it."""
         self._draw_for(0)
+
+
+class KerasReadDataset(StaticBatchDataset):
+    """A `StaticBatchDataset` that Keras's torch trainer reads through its own PyDataset
+    adapter and DataLoader (a user's PyDataset): an epoch begun late (a resume) ends where
+    its data does, without the iterator Keras makes at once after an epoch of known length
+    (whose base seed is a draw from torch's global generator, which unseeded Dropout
+    reads): drawn here as that epoch ends, in its place."""
+
+    def on_epoch_end(self) -> None:
+        if getattr(self.batches, "skipped", 0):
+            draw_as_an_iterator_is_made()
+        super().on_epoch_end()

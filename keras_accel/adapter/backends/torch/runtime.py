@@ -139,7 +139,9 @@ class Runtime(runtime.Runtime):
             return TorchBatches(StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows))
         if isinstance(batches, PyDatasetBatches):
             # A user's PyDataset: read in Keras's worker thread, as Keras reads it.
-            return StaticBatchDataset(batches, carry_mask=carry_mask, rows=rows)
+            from keras_accel.data.torch_feed import KerasReadDataset
+
+            return KerasReadDataset(batches, carry_mask=carry_mask, rows=rows)
         # tf.data inputs: Keras's torch trainer reads them as torch tensors.
         from keras_accel.data import tfdata
 
