@@ -76,6 +76,9 @@ class RunContext:
             batches of `replay_epoch` before `replay_batch` only re-run to reach the
             restored position (their effect is overwritten); `replaying(epoch, batch)`
             says whether a batch is one of them (never, in an epoch begun late).
+        late_epoch_stops: set by the Accelerator for a fit that can begin an epoch late:
+            whether Keras's loop is stopped at that epoch's last batch (TensorFlow, whose
+            steps read their batch inside the step) rather than at the data's end.
         epoch_end: `(epoch, logs)` while `BackupAndRestore` takes a backup at the end of
             `epoch` (the logs Keras passes to every `on_epoch_end`), else None. The backup
             is taken in its own `on_epoch_end`, which may run before yours: a callback
