@@ -588,7 +588,10 @@ class DistributedBatches(PaddedBatchesAdapter):
 
     @property
     def keras_accel_indexed_batches(self):
-        # An array pipeline that can begin an epoch late (`tfdata.array_pipeline`), or None.
+        # An array pipeline that can begin an epoch late (`tfdata.array_pipeline`), or None;
+        # not under remainder="replicate", whose short last batch is served apart (`tail`).
+        if getattr(self.distributed, "tail", None) is not None:
+            return None
         return getattr(self.keras_accel_local, "keras_accel_starts_late", None)
 
     @property
