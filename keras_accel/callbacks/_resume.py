@@ -39,7 +39,7 @@ class Resume:
         # An epoch begun late: {"epoch", "batch", "metrics": (variables, values)}.
         self.late: dict | None = None
         self._numbering = None  # (CallbackList, its batch hooks before we numbered them).
-        self._silence = None  # The warnings filter that silences Keras's early epoch end.
+        self._silence = None  # The warnings' state saved while Keras's early epoch end is silent.
 
     def begin(self, model) -> None:
         """A fit starts: one that a mid-epoch replay's fit left pending starts anew."""
@@ -84,8 +84,11 @@ class Resume:
         context.began_late = (epoch, batch)
         stop_at = context.steps - 1 if context.late_epoch_stops and context.steps else None
         self._number_from(calls, model, batch, stop_at)
+        # Python's own save and restore of the filters (public, and it rebuilds the warning
+        # caches itself); undone when the late epoch ends.
+        self._silence = warnings.catch_warnings()
+        self._silence.__enter__()
         warnings.filterwarnings("ignore", message=_RAN_OUT, category=UserWarning)
-        self._silence = warnings.filters[0]
         return True
 
     def _number_from(self, calls, model, batch: int, stop_at: int | None) -> None:
@@ -133,11 +136,8 @@ class Resume:
                 else:
                     setattr(calls, name, hook)
         silence, self._silence = self._silence, None
-        if silence is not None and silence in warnings.filters:
-            warnings.filters.remove(silence)
-            _filters_mutated = getattr(warnings, "_filters_mutated", None)
-            if _filters_mutated is not None:  # Warning caches rebuilt (CPython).
-                _filters_mutated()
+        if silence is not None:
+            silence.__exit__(None, None, None)
 
     def batch_began(self) -> None:
         """The late epoch's first step is next: the random generators (Python, NumPy,
