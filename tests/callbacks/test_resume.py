@@ -27,7 +27,7 @@ from keras_accel import Accelerator
 from keras_accel.callbacks import BackupAndRestore, run_context
 from keras_accel.schedules import PiecewiseConstant
 from tests.gcs_emulator import gcs_like_google  # noqa: F401 (a fixture, for gs://)
-from tests.helpers import compiled_mlp, data
+from tests.helpers import FEW_REPLICAS, compiled_mlp, data
 
 pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch: one process, one device.
 
@@ -264,7 +264,10 @@ class _Rows(keras.utils.PyDataset):
 
 
 def _late_fit(tmp_path, name, inputs, seen):
-    acc = Accelerator(seed=0)
+    # TensorFlow traces every step once per replica: two take every cross-replica path of a
+    # resume (`FEW_REPLICAS`; 74 s for the arrays case on 8 beside the suite).
+    tf = keras.backend.backend() == "tensorflow"
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS if tf else None)
     with acc.scope():
         model = compiled_mlp(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), dropout=True)
     x, y = data(LATE_ROWS)
