@@ -57,6 +57,7 @@ than holding it, cannot be reached on the instance and stays divided there.
 from __future__ import annotations
 
 import contextvars
+import weakref
 
 import keras
 import tensorflow as tf
@@ -100,13 +101,22 @@ def global_value(share):
     return share + ops.stop_gradient(ops.multiply(share, ops.cast(n - 1, share.dtype)))
 
 
+# Whether a class's `train_step` divides by the replica count itself: read from its source
+# once per class, not at every call.
+_DIVIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def runs_as_one_device(model) -> bool:
     """Whether `model`'s own `train_step` runs as one device over each replica's rows (see
     the module docstring): it overrides Keras's and does not divide by the replica count
     itself."""
     if not overrides(model, "train"):
         return False
-    return not source.mentions(type(model).train_step, DIVIDES_ITSELF)
+    cls = type(model)
+    divides = _DIVIDES.get(cls)
+    if divides is None:
+        divides = _DIVIDES[cls] = bool(source.mentions(cls.train_step, DIVIDES_ITSELF))
+    return not divides
 
 
 def gradients_summed(one_device: bool) -> bool:
@@ -143,7 +153,7 @@ def install_uniform_losses(patches: Patches, model, one_device: bool) -> None:
 
         def install():
             for loss in keras_internals.compiled_losses(compiled):
-                patches.set(loss, "call", _per_row(loss, report=False, one_device=one_device))
+                patches.set(loss, "call", _per_row(loss, report=False))
 
         after_build(patches, compiled, install)
     if not _overrides_compute_loss(model):
@@ -252,7 +262,7 @@ def _undivided_in_own_loss(divided):
     return call
 
 
-def _per_row(loss, report: bool, one_device: bool):
+def _per_row(loss, report: bool, one_device: bool = False):
     """`loss.call` that returns a value per row (a number repeated over the batch's rows:
     the same mean, which Keras's reduction then divides by the replica count). Where
     `report` (a loss object the model holds) and Keras divides it: inside a class's own
