@@ -15,7 +15,9 @@ the duration of an Accelerator call:
   of averaging them, so the factor `static / real rows` is taken off again and the loss is
   the sum over the real rows, as plain Keras computes it on the last partial batch;
 - a Keras mask on the prediction (`install_loss_masks`), which Keras's mean divides by the
-  unmasked steps each replica sees.
+  unmasked steps each replica sees;
+- a loss that divides by its weights' sum (`reduction="mean_with_sample_weight"`), where each
+  replica or process divides by its own (`install_loss_masks`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from keras_accel.adapter.steps import (
     REPLICATED,
     ROW_COUNT,
     ROW_MASK,
+    WEIGHTED_MEANS,
     after_build,
     unscaled,
     with_rank,
@@ -41,6 +44,7 @@ from keras_accel.utils import keras_internals
 # padding factor and the mask's normalisation are made for, as Keras's `apply_mask` reads
 # them. "mean_with_sample_weight" divides by the weights' sum, where both factors cancel.
 MEANS = ("sum_over_batch_size", "mean")
+WEIGHTED_MEAN = "mean_with_sample_weight"
 
 
 def install_loss_values(patches: Patches, model, summed_loss_factor: int = 1) -> None:
@@ -54,16 +58,17 @@ def install_loss_values(patches: Patches, model, summed_loss_factor: int = 1) ->
         return
 
     def install():
-        for loss in keras_internals.compiled_losses(compiled):
+        for path, loss in keras_internals.compiled_loss_paths(compiled):
             if getattr(loss, "reduction", None) not in (None, "none"):
-                patches.set(loss, "call", _padded_values(loss, summed_loss_factor))
+                patches.set(loss, "call", _padded_values(loss, summed_loss_factor, path))
 
     after_build(patches, compiled, install)
 
 
-def _padded_values(loss, summed_loss_factor: int):
+def _padded_values(loss, summed_loss_factor: int, path: tuple):
     original = loss.call
-    summed = loss.reduction not in MEANS + ("mean_with_sample_weight",)
+    summed = loss.reduction not in MEANS + (WEIGHTED_MEAN,)
+    weighted_mean = loss.reduction == WEIGHTED_MEAN
 
     def call(y_true, y_pred):
         values = original(y_true, y_pred)
@@ -89,6 +94,9 @@ def _padded_values(loss, summed_loss_factor: int):
             # values, which the weights multiply).
             static = ops.cast(ops.shape(row_mask)[0], values.dtype)
             values = ops.multiply(values, ops.divide(ops.cast(count(), values.dtype), static))
+        factor = (WEIGHTED_MEANS.get() or {}).get(path) if weighted_mean else None
+        if factor is not None:
+            values = ops.multiply(values, ops.cast(factor, values.dtype))
         return values
 
     return call
@@ -118,7 +126,16 @@ def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
     Done wherever a prediction carries a mask, one device included: there it computes what
     Keras does, and it spares the user's weights Keras's in-place `sample_weight *= mask`
     on torch (keras/src/losses/loss.py, `apply_mask`), after which Keras's
-    `weighted_metrics` read weights rescaled by each batch's unmasked fraction."""
+    `weighted_metrics` read weights rescaled by each batch's unmasked fraction.
+
+    A loss with "mean_with_sample_weight" divides by its weights' sum (the mask's and the
+    padding's included), and where each replica or process runs its own program each
+    divides by its own: their average is not the global batch's weighted mean where the
+    sums differ (unmasked steps, users' weights). So its values are multiplied by this
+    replica's sum over the replicas' mean sum (`row_count` of the weights;
+    `steps.WEIGHTED_MEANS`): each quotient becomes the replica's share of the global one,
+    and their average (the gradients', the logs') that one. 1 where one program sees the
+    global batch (JAX, one device, a replicated step)."""
     compiled = keras_internals.compile_loss(model)
     if compiled is None:
         return
@@ -128,13 +145,15 @@ def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
         flat = keras.tree.flatten_with_path(y_pred)
         paths, leaves = [path for path, _ in flat], [leaf for _, leaf in flat]
         masks = [keras_internals.keras_mask(leaf) for leaf in leaves]
-        if all(m is None for m in masks):
-            return original(y_true, y_pred, sample_weight)
         nested = sample_weight is not None and keras.tree.is_nested(sample_weight)
         given = keras.tree.flatten(sample_weight) if nested else [sample_weight] * len(leaves)
         if len(given) != len(leaves):
             return original(y_true, y_pred, sample_weight)
         reductions = _reductions(model, compiled, paths)
+        if all(m is None for m in masks):
+            return _weighted_means(
+                original, (y_true, y_pred, sample_weight), paths, given, reductions, row_count
+            )
         row_mask = ROW_MASK.get()
         weights = []
         for path, mask, weight in zip(paths, masks, given):
@@ -161,14 +180,38 @@ def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
                 keras_internals.set_keras_mask(leaf, None)
         try:
             if len(leaves) == 1 and not nested:
-                return original(y_true, y_pred, weights[0])
-            return original(y_true, y_pred, keras.tree.pack_sequence_as(y_pred, weights))
+                packed = weights[0]
+            else:
+                packed = keras.tree.pack_sequence_as(y_pred, weights)
+            return _weighted_means(
+                original, (y_true, y_pred, packed), paths, weights, reductions, row_count
+            )
         finally:
             for leaf, mask in zip(leaves, masks):
                 if mask is not None:
                     keras_internals.set_keras_mask(leaf, mask)
 
     patches.set(compiled, "call", call)
+
+
+def _weighted_means(original, args, paths, weights, reductions, row_count):
+    """`original(*args)` with `steps.WEIGHTED_MEANS` set for the outputs whose loss divides
+    by its weights' sum (`weights`, as the loss gets them), where the replicas' sums can
+    differ (see `install_loss_masks`)."""
+    factors = {}
+    if not REPLICATED.get():
+        for path, weight in zip(paths, weights):
+            if weight is None or reductions.get(tuple(path)) != WEIGHTED_MEAN:
+                continue
+            total = ops.sum(ops.cast(weight, "float32"))
+            factors[tuple(path)] = ops.divide_no_nan(total, ops.cast(row_count(weight), "float32"))
+    if not factors:
+        return original(*args)
+    token = WEIGHTED_MEANS.set(factors)
+    try:
+        return original(*args)
+    finally:
+        WEIGHTED_MEANS.reset(token)
 
 
 def _reductions(model, compiled, paths) -> dict:

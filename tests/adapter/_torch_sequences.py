@@ -5,7 +5,9 @@ weights; fit, evaluate and the custom loop. Usage: python _torch_sequences.py OU
 21 rows in global batches of 8: the last batch holds 5 rows (padded; 4 real rows in process
 0, 1 in process 1), and the processes' unmasked steps differ in every batch, so the loss is
 one process's only if the mean over unmasked steps is counted over both processes. A
-second tagger's loss is a sum (`reduction="sum"`), which must add both processes' sums.
+second tagger's loss is a sum (`reduction="sum"`), which must add both processes' sums; a
+third's divides by its weights' sum (`reduction="mean_with_sample_weight"`), the global
+batch's.
 
 Every process writes what it saw to OUT-<process>.npz.
 """
@@ -73,6 +75,26 @@ out["sum/evaluate/loss"] = np.asarray(
 )
 for i, weight in enumerate(summed.get_weights()):
     out[f"sum/w{i}"] = weight
+
+# A loss divided by its weights' sum (the mask's times the per-step weights): each process
+# divides by its own, unless made its share of the global quotient.
+with acc.scope():
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((STEPS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    divided = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+    divided.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        ),
+    )
+fit = dict(batch_size=BATCH, sample_weight=weights, verbose=0)
+history = acc.fit(divided, tokens, tags, epochs=2, shuffle=False, **fit)
+out["divided/fit/loss"] = np.asarray(history.history["loss"])
+out["divided/evaluate/loss"] = np.asarray(acc.evaluate(divided, tokens, tags, **fit))
+for i, weight in enumerate(divided.get_weights()):
+    out[f"divided/w{i}"] = weight
 
 # The custom loop: each row's loss the mean over its unmasked steps, per-step weights.
 with acc.scope():

@@ -30,7 +30,7 @@ def acc():
     return Accelerator(devices=FEW_REPLICAS if BACKEND == "tensorflow" else NUM_DEVICES)
 
 
-def _both(acc, build, x, y, epochs=2):
+def _both(acc, build, x, y, epochs=2, sample_weight=None):
     """Fit then evaluate, ours and plain one-device Keras: (logs, evaluation, weights)."""
     results = []
     for ours in (True, False):
@@ -43,8 +43,9 @@ def _both(acc, build, x, y, epochs=2):
             model = build()
             fit, evaluate = model.fit, model.evaluate
             args = ()
-        history = fit(*args, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
-        evaluated = evaluate(*args, x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        common = dict(batch_size=BATCH, sample_weight=sample_weight, verbose=0)
+        history = fit(*args, x, y, epochs=epochs, shuffle=False, **common)
+        evaluated = evaluate(*args, x, y, return_dict=True, **common)
         results.append((history.history, evaluated, weights_of(model)))
     return results
 
@@ -73,6 +74,19 @@ def test_a_summed_loss_is_the_sum_over_the_real_rows(acc):
     x = rng.normal(size=(ROWS, 6)).astype("float32")
     y = rng.normal(size=(ROWS, 3)).astype("float32")
     ours, plain = _both(acc, lambda: _mlp(keras.losses.MeanSquaredError(reduction="sum")), x, y)
+    _assert_same(ours, plain)
+
+
+def test_a_loss_divided_by_its_weights_sum_is_the_global_batchs_weighted_mean(acc):
+    # "mean_with_sample_weight" divides by the weights' sum: over replicas or processes
+    # each divides by its own, whose average is not the global quotient where the users'
+    # weights (and the padding) differ between them.
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(ROWS, 6)).astype("float32")
+    y = rng.normal(size=(ROWS, 3)).astype("float32")
+    weights = rng.uniform(0.0, 3.0, ROWS).astype("float32")
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    ours, plain = _both(acc, lambda: _mlp(loss), x, y, sample_weight=weights)
     _assert_same(ours, plain)
 
 
@@ -123,12 +137,8 @@ def _masked_tagger(reduction):
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
 def test_a_masked_sequence_loss_that_is_no_mean_over_steps(acc, reduction):
     # Keras normalises a masked loss by its unmasked steps for its means only: a sum adds
-    # the unmasked steps' values, "mean_with_sample_weight" divides by the mask's sum.
-    if reduction == "mean_with_sample_weight" and keras.backend.backend() == "tensorflow":
-        # Each replica divides by its own weights' sum, and Keras averages the replicas'
-        # quotients: not the global weighted mean when the replicas' sums differ (here
-        # their unmasked steps). A known limit (docs/accelerator.md, "Sequence targets").
-        pytest.xfail("mean_with_sample_weight over TF replicas is each replica's mean")
+    # the unmasked steps' values, "mean_with_sample_weight" divides by the mask's sum (on
+    # TensorFlow each replica by its own, unless made its share of the global quotient).
     rng = np.random.default_rng(2)
     tokens = rng.integers(1, 12, (ROWS, 6))
     lengths = rng.integers(2, 7, ROWS)

@@ -189,7 +189,7 @@ def test_two_torch_processes_equal_one_on_masked_sequence_targets(tmp_path):
     )
     assert sorted(one) == sorted(first) == sorted(second)
     assert any(key.startswith("weighted/evaluate/") for key in one)
-    assert "sum/fit/loss" in one
+    assert "sum/fit/loss" in one and "divided/fit/loss" in one
     for key in one:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
         np.testing.assert_allclose(first[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
