@@ -255,7 +255,8 @@ class Batches:
             warnings.warn(
                 f"keras_accel: {reason}; a batch of {plan.describe()} that is not full (its "
                 "last, if it has one) runs unpadded, as a batch of its real rows, as plain "
-                "Keras runs it (one more compilation, for its shape).",
+                f"Keras runs it{_replicated(mode, self.num_replicas)} (one more compilation, "
+                "for its shape).",
                 stacklevel=user_stacklevel(),
             )
             return whole
@@ -271,8 +272,8 @@ class Batches:
         warnings.warn(
             f"keras_accel: {reason}; the last partial batch ({rows} of "
             f"{whole.plan.num_samples} rows) runs unpadded, as a batch of its real rows, as "
-            "plain Keras runs it (one more compilation, for its shape; a step per host "
-            "call).",
+            f"plain Keras runs it{_replicated(mode, self.num_replicas)} (one more "
+            "compilation, for its shape; a step per host call).",
             stacklevel=user_stacklevel(),
         )
         return whole
@@ -292,6 +293,14 @@ def _numeric(batch) -> bool:
     from keras_accel.data.batching import flatten
 
     return all(np.asarray(a).dtype.kind in "biuf" for a in flatten(batch) if a is not None)
+
+
+def _replicated(mode: str, num_replicas: int) -> str:
+    """Where every replica runs the short batch whole (`remainder="replicate"`), in words for
+    the note that says so; else nothing."""
+    if mode != "replicate":
+        return ""
+    return f", whole in each of the {num_replicas} replicas"
 
 
 def _read_once(batches) -> bool:
@@ -324,10 +333,10 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         "a metric, compute_loss, compute_metrics or test_step handing sample_weight on: "
         "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`), or use a "
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
-        "that nothing is padded (numeric arrays' last partial batch runs unpadded on one "
-        "device, on JAX, over torch's processes and over MirroredStrategy's replicas; a "
-        "generator's or PyDataset's on one device, on JAX and over torch's processes; a "
-        "tf.data.Dataset's on one device and on JAX in one process)."
+        "that nothing is padded (the last partial batch of numeric arrays, a generator or "
+        "a PyDataset runs unpadded on one device, on JAX, over torch's processes and over "
+        "MirroredStrategy's replicas; a tf.data.Dataset's on one device and on JAX in one "
+        "process)."
     )
 
 

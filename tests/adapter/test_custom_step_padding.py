@@ -121,10 +121,11 @@ def _stream(kind, x, y):
 def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kind, devices):
     # Read as it comes, a short batch is known when it arrives: marked then (a tf.data
     # pipeline's in its graph), it runs as its real rows, as plain Keras runs it (a
-    # generator's first batch, read to learn the batch size, is not lost on the way). Over
-    # several TensorFlow replicas, which split every batch of a stream, it is dropped in
-    # training and an evaluation is refused (2 replicas there: the subject is the split,
-    # not the count, and TensorFlow traces every replica).
+    # generator's first batch, read to learn the batch size, is not lost on the way); over
+    # several TensorFlow replicas a generator's or PyDataset's whole in each (read on the
+    # host, not split by tf.distribute). A tf.data pipeline's, which tf.distribute splits,
+    # is dropped in training there and an evaluation is refused (2 replicas there: the
+    # subject is the split, not the count, and TensorFlow traces every replica).
     if keras.backend.backend() == "tensorflow" and devices > 1:
         devices = FEW_REPLICAS
     one = Accelerator(devices=devices)

@@ -13,7 +13,7 @@ from keras import ops
 from keras_accel import Accelerator
 from keras_accel.adapter.unweighted import hands_on_sample_weight, unweighted_code
 from tests.conftest import NUM_DEVICES
-from tests.helpers import assert_weights_close, unpadded_remainder, weights_of
+from tests.helpers import FEW_REPLICAS, assert_weights_close, unpadded_remainder, weights_of
 from tests.keras_io.vision import Distiller  # keras-io's, as published
 
 pytestmark = pytest.mark.torch
@@ -72,8 +72,8 @@ def _data():
     return rng.normal(size=(ROWS, 4)).astype("float32"), rng.integers(0, 3, ROWS)
 
 
-# One replica, and JAX on any, run the last partial batch unpadded; several TensorFlow
-# replicas drop it (training) or refuse (evaluation) instead.
+# Every backend runs numeric arrays' last partial batch unpadded (`helpers.unpadded_remainder`):
+# one replica, JAX on any devices, each of several TensorFlow replicas whole.
 COUNTS = sorted({1, NUM_DEVICES})
 
 
@@ -126,7 +126,7 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend):
     with pytest.warns(UserWarning, match=r"Distiller.compute_loss does not hand on .*\(5 of 21"):
         history = acc.fit(ours, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     # Padding rows would count in its loss: the last partial batch runs unpadded (one
-    # replica; JAX) or is dropped (several TensorFlow replicas).
+    # replica; JAX; each of several TensorFlow replicas whole) or is dropped elsewhere.
     kept = _kept(acc)
     expected = plain.fit(x[:kept], y[:kept], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
@@ -146,6 +146,59 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend):
     ours_logs = acc.evaluate(ours, x[:16], y[:16], batch_size=BATCH, verbose=0, return_dict=True)
     plain_logs = plain.evaluate(x[:16], y[:16], batch_size=BATCH, verbose=0, return_dict=True)
     assert ours_logs == pytest.approx(plain_logs, rel=1e-5)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-ROWS // BATCH)
+
+    def __getitem__(self, i):
+        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
+
+
+def _stream(kind, x, y):
+    if kind == "PyDataset":
+        return _Batches(x, y)
+    return ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, ROWS, BATCH))
+
+
+@pytest.mark.parametrize("kind", ["generator", "PyDataset"])
+def test_a_compute_loss_without_weights_sees_a_streams_short_batch_whole(kind):
+    # A stream's short batch is known only when it arrives: it runs as its real rows, as
+    # plain Keras runs it, on one device, on JAX, over torch's processes (test_torch_
+    # replicated.py) and over TensorFlow's replicas, whole in each (read on the host, not
+    # split by tf.distribute), in training, validation and evaluation (2 replicas: the
+    # subject is the split, not the count).
+    acc = Accelerator(devices=FEW_REPLICAS if NUM_DEVICES > 1 else 1)
+    x, y = _data()
+    with acc.scope():
+        ours = _distiller()
+    plain = _distiller()
+    plain.set_weights(ours.get_weights())
+    with pytest.warns(UserWarning, match="Distiller.compute_loss does not hand on .* not full"):
+        history = acc.fit(
+            ours,
+            _stream(kind, x, y),
+            validation_data=_stream(kind, x, y),
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+        )
+    expected = plain.fit(
+        _stream(kind, x, y), validation_data=_stream(kind, x, y), epochs=1, shuffle=False, verbose=0
+    )
+    for name in ("loss", "val_loss", "val_sparse_categorical_accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    assert_weights_close(weights_of(ours), weights_of(plain))
+    with pytest.warns(UserWarning, match="not full"):
+        got = acc.evaluate(ours, _stream(kind, x, y), verbose=0, return_dict=True)
+    want = plain.evaluate(_stream(kind, x, y), verbose=0, return_dict=True)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert acc.num_recompiles == 0  # The short batch's step is expected, not a recompile.
 
 
 def test_a_compute_loss_that_hands_the_weights_on_trains_every_row(acc, backend):

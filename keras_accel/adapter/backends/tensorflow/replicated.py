@@ -18,6 +18,15 @@ replica (`experimental_distribute_values_from_function`), through a step functio
 for it alone (`replicated_function`), so that neither the pipeline's shapes nor the other
 steps' program change. `TailIterator` is the epoch's iterator that Keras's trainer hands
 the step function: the pipeline's, then that batch.
+
+A stream's (a generator's, a `PyDataset`'s) short batch is known only when it arrives, and a
+`tf.distribute` pipeline splits every batch it holds. So such a stream is read on the host,
+a batch at a time, as Keras's own adapter reads it for its numpy iterator (`HostStream`),
+and each batch reaches the replicas as it comes: a full one split into their slices, as
+`tf.distribute` splits it, through a step traced for those; one with padding (marked,
+`batching.cut_rows`) whole in every replica, through the step traced for its shape
+(`StreamIterator`). Keras's TF trainer takes a Python iterator so too (its
+`one_step_on_data` per element).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import dataclasses
 import tensorflow as tf
 
 from keras_accel.adapter.backends.tensorflow.reduction import reduce_logs
-from keras_accel.data.batching import element
+from keras_accel.data.batching import cut_rows, element, num_rows
 
 
 def padded_batches(batches):
@@ -79,10 +88,63 @@ class TailIterator:
     def distributed_tail(self):
         data = self.tail()
         return self.strategy.experimental_distribute_values_from_function(
-            lambda context: tf.nest.map_structure(
-                lambda a: None if a is None else tf.convert_to_tensor(a), data
-            )
+            lambda context: _tensors(data)
         )
+
+
+class HostStream(tf.distribute.DistributedDataset):
+    """A stream's batches as Keras's TF epoch iterator takes them (it takes a
+    `DistributedDataset` as it is, and makes an iterator of it each epoch): each epoch's
+    from `adapter`, Keras's data adapter of the stream (its epochs, its PyDataset's
+    `on_epoch_end`), read on the host (`get_numpy_iterator`) when the step comes."""
+
+    def __init__(self, adapter, strategy):
+        self.adapter = adapter
+        self.strategy = strategy
+
+    def __iter__(self):
+        # Keras's numpy iterators read nothing until the first `next`: one made at an
+        # epoch's end for the next epoch and dropped unread costs nothing.
+        return StreamIterator(self.adapter.get_numpy_iterator(), self.strategy)
+
+
+class StreamIterator:
+    """An epoch of a stream's batches (`HostStream`), each as `(distributed, whole)`: its
+    values over the replicas, and whether every replica holds it whole (a batch with
+    padding, marked with its real rows, which the step cuts it to: `batching.cut_rows`)
+    rather than its slice of it."""
+
+    def __init__(self, batches, strategy):
+        self.batches = batches
+        self.strategy = strategy
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        data = next(self.batches)  # StopIteration ends the epoch, as Keras reads a stream.
+        if cut_rows(data):
+            return self.strategy.experimental_distribute_values_from_function(
+                lambda context: _tensors(data)
+            ), True
+        count = self.strategy.num_replicas_in_sync
+        rows = num_rows(data[0]) // count  # Its inputs' rows.
+
+        def share(context):
+            # Replica i's slice, as `tf.distribute` splits a batch: rows [i*n, (i+1)*n). (The
+            # marker has no rows: each replica's is the batch's.)
+            begin = context.replica_id_in_sync_group * rows
+            return _tensors(
+                tf.nest.map_structure(
+                    lambda a: None if a is None else a[begin : begin + rows], data
+                )
+            )
+
+        return self.strategy.experimental_distribute_values_from_function(share), False
+
+
+def _tensors(data):
+    return tf.nest.map_structure(lambda a: None if a is None else tf.convert_to_tensor(a), data)
 
 
 def first_replica() -> bool:
@@ -96,9 +158,12 @@ def first_replica() -> bool:
 
 
 def replicated_function(model, kind: str, regular):
-    """`kind`'s step function for a call whose last batch every replica runs whole: the
+    """`kind`'s step function for a call whose short batches every replica runs whole: the
     regular step function (`regular`) for the pipeline's batches, and a step traced for the
-    short batch's shape for it, its data the same in every replica."""
+    short batch's shape for it, its data the same in every replica. A stream's batches
+    (`StreamIterator`) come one per call, distributed already: a full one runs through a
+    step traced for its slices (compiled as Keras compiles its own), one with padding
+    through the short batch's."""
     step = getattr(model, f"{kind}_step")
     strategy = model.distribute_strategy
 
@@ -107,7 +172,17 @@ def replicated_function(model, kind: str, regular):
         outputs = strategy.run(step, args=(data,))
         return reduce_logs(outputs, strategy, reduction="auto")
 
+    @tf.function(jit_compile=bool(model.jit_compile))
+    def split(data):
+        # (A function of its own, not `whole` compiled twice: TensorFlow counts a Python
+        # function's traces together, and warns of retracing past a few.)
+        outputs = strategy.run(step, args=(data,))
+        return reduce_logs(outputs, strategy, reduction="auto")
+
     def function(iterator):
+        if isinstance(iterator, StreamIterator):
+            data, replicated = next(iterator)
+            return (whole if replicated else split)(data)
         if not isinstance(iterator, TailIterator):
             return regular(iterator)
         if iterator.read < iterator.full:

@@ -36,7 +36,7 @@ from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.steps import install_global_results, overrides_any_step
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 from keras_accel.data.adapters import PaddedBatchesAdapter
-from keras_accel.data.batching import element, flatten
+from keras_accel.data.batching import StreamPlan, element, flatten
 from keras_accel.data.groups import GROUP_DATA, GROUP_REAL, GROUP_ROWS, GROUP_STEPS, RowGroups
 from keras_accel.data.pydataset import StaticBatchDataset, stream
 from keras_accel.data.sources import ArrayBatches, IterableBatches, refuse_preprocessing
@@ -72,10 +72,12 @@ class Runtime(runtime.Runtime):
 
     @property
     def whole_stream_remainder(self) -> str | None:
-        """One replica: "whole" (Keras's generator route takes batches of any size). Over
-        several, a stream reaches the replicas through `tf.distribute`, which splits every
-        batch: None (its short batch is dropped in training, an evaluation refused)."""
-        return "whole" if self.num_replicas == 1 else None
+        """One replica: "whole" (Keras's generator route takes batches of any size). Several
+        replicas of one worker: "replicate", the stream read on the host and each batch
+        handed to the replicas as it comes, one with padding whole in every replica
+        (`replicated.HostStream`). The TPU's and several workers' runtimes: None (as
+        `whole_remainder`)."""
+        return self.whole_remainder
 
     def replicated_function(self, model, kind: str):
         if self.native is None or kind == "predict":
@@ -187,7 +189,8 @@ class Runtime(runtime.Runtime):
     def wrap(self, batches, carry_mask: bool = True, preprocess=None):
         from keras_accel.data import tfdata
 
-        if getattr(batches.plan, "remainder", None) == "replicate":
+        replicate = getattr(batches.plan, "remainder", None) == "replicate"
+        if replicate and not isinstance(batches.plan, StreamPlan):
             # The pipeline's batches, then the short one whole in every replica.
             # (All of them padded, so that the pipeline is one of any row count; the last
             # one is not taken. The untaken pipeline is what the model is built from.)
@@ -211,9 +214,14 @@ class Runtime(runtime.Runtime):
             return self.fed(self.pipeline(batches, carry_mask, preprocess), batches, carry_mask)
         if isinstance(batches, IterableBatches):
             refuse_preprocessing(batches, preprocess)
-            return self.keras_route(stream(batches, carry_mask=carry_mask), carry_mask)
-        # A user's PyDataset: Keras's own route (tf.data from a generator).
-        return self.keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
+            source = stream(batches, carry_mask=carry_mask)
+        else:
+            # A user's PyDataset: Keras's own route (tf.data from a generator).
+            source = StaticBatchDataset(batches, carry_mask=carry_mask)
+        if replicate and self.native is not None and carry_mask:
+            # Its batches with padding run whole in every replica: read on the host.
+            return HostStreamAdapter(source, self.native)
+        return self.keras_route(source, carry_mask)
 
     @staticmethod
     def pipeline(batches, carry_mask: bool, preprocess):
@@ -436,6 +444,19 @@ class KerasRouteAdapter(PaddedBatchesAdapter):
     @property
     def batch_size(self):
         return self.adapter.batch_size
+
+
+class HostStreamAdapter(KerasRouteAdapter):
+    """A generator or a PyDataset of ours whose batches with padding every replica runs
+    whole (`remainder="replicate"`): Keras's adapter for it still (its epochs, its first
+    batches), read on the host a batch at a time (`replicated.HostStream`), not through a
+    `tf.distribute` pipeline, which would split the short batch over the replicas. Its step
+    function is `replicated.replicated_function`, one step per call."""
+
+    def get_tf_dataset(self):
+        if self._distributed is None:
+            self._distributed = replicated.HostStream(self.adapter, self.strategy)
+        return self._distributed
 
 
 class GroupedBatches(PaddedBatchesAdapter):
