@@ -3,7 +3,7 @@
 Usage: python _resume_script.py WORKDIR RUN_NAME [KILL_AT] [OPTION=VALUE ...]
 
 Trains a small seeded model (Dense, BatchNormalization, Dropout; SGD with momentum) through
-`Accelerator.fit` on 8 virtual CPU devices (one device on torch) with BackupAndRestore
+`Accelerator.fit` on 8 virtual CPU devices (2 on TensorFlow, one on torch) with BackupAndRestore
 (save_freq in steps), History(path, per_step=True) and a step-mode LearningRateScheduler.
 With KILL_AT="E:B" the process SIGKILLs itself at the end of batch B of epoch E (after the
 callbacks ran, so a backup of the batches before may exist), or sends itself the signal
@@ -35,7 +35,10 @@ import numpy as np
 import keras_accel
 
 # On torch one process is one device (the test's torch run compares one process with one).
-keras_accel.configure_virtual_cpu_devices(1 if os.environ.get("KERAS_BACKEND") == "torch" else 8)
+# TensorFlow on 2: it traces every step once per replica in each of the test's processes,
+# and the subject here is the backup, not the replica count (tests/helpers.FEW_REPLICAS).
+DEVICES = {"torch": 1, "tensorflow": 2}.get(os.environ.get("KERAS_BACKEND"), 8)
+keras_accel.configure_virtual_cpu_devices(DEVICES)
 
 import keras  # noqa: E402
 

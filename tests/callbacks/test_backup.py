@@ -18,7 +18,7 @@ import pytest
 from keras_accel.callbacks import BackupAndRestore, History, Preempted
 from keras_accel.callbacks._lock import LOCK_NAME
 from keras_accel.utils import process
-from tests.helpers import Interrupt, compiled_mlp, data, weights_of
+from tests.helpers import FEW_REPLICAS, Interrupt, compiled_mlp, data, weights_of
 
 pytestmark = pytest.mark.torch  # Also on KERAS_BACKEND=torch (torch.distributed.checkpoint).
 
@@ -838,7 +838,9 @@ def _accelerated(order, **kwargs):
     from keras_accel import Accelerator
 
     keras.backend.clear_session(free_memory=False)  # As in a new process.
-    acc = Accelerator(seed=0)
+    # The subject is the state's paths, not the replica count: TensorFlow on 2 replicas.
+    tensorflow = keras.backend.backend() == "tensorflow"
+    acc = Accelerator(seed=0, devices=FEW_REPLICAS if tensorflow else None)
     with acc.scope():
         return acc, _named(order, **kwargs)
 
