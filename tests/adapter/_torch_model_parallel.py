@@ -10,9 +10,10 @@ one-process reference), then under "model_parallel". A callback records, at each
 end, the local shape of every variable and optimizer slot this process holds. Then the
 model_parallel fit stopped mid-epoch with BackupAndRestore and run again, resumed; the test's
 one-process backup (WORKDIR/one.backup, written before the launch) resumed over the two;
-and a map with an entry that matches no variable. The backup of the two is kept
-(WORKDIR/backup.kept) for the test to restore onto one process. Every process writes what it saw to
-OUT-<process>.npz.
+a map with an entry that matches no variable; and a tiny keras-hub Gemma under the map its
+class ships (`layout_map=keras_hub.models.GemmaCausalLM`), against each process alone. The
+backup of the two is kept (WORKDIR/backup.kept) for the test to restore onto one process.
+Every process writes what it saw to OUT-<process>.npz.
 """
 
 import os
@@ -135,7 +136,56 @@ def main(out_prefix: str) -> None:
         out["typo"] = np.asarray("trained")
     except ValueError as error:
         out["typo"] = np.asarray(str(error))
+    out.update(hub())
     np.savez(f"{out_prefix}-{acc.process_index}.npz", **out)
+
+
+def hub() -> dict:
+    """A keras-hub Gemma (a tiny one, from its configuration) under the map its class ships
+    (`layout_map=keras_hub.models.GemmaCausalLM`: `GemmaBackbone.get_layout_map`), and alone
+    (strategy="single"): fit, evaluate, the variables and what this process holds."""
+    try:
+        import keras_hub
+    except ImportError:  # Not installed: the test says so.
+        return {}
+    rows, length, vocabulary = 21, 6, 64
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, vocabulary, (rows, length)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones((rows, length), "int32")}
+    y = (tokens[:, 0] % 3).astype("int64")
+    out = {}
+    for name, strategy, layout_map in (
+        ("one", "single", None),
+        ("ours", "model_parallel", keras_hub.models.GemmaCausalLM),
+    ):
+        acc = Accelerator(strategy=strategy, seed=0, layout_map=layout_map)
+        keras.utils.set_random_seed(0)
+        with acc.scope():
+            backbone = keras_hub.models.GemmaBackbone(
+                vocabulary_size=vocabulary, num_layers=1, num_query_heads=4,
+                num_key_value_heads=4, hidden_dim=16, intermediate_dim=32, head_dim=8,
+            )  # fmt: skip
+            inputs = {
+                key: keras.Input((length,), dtype="int32", name=key)
+                for key in ("token_ids", "padding_mask")
+            }
+            outputs = keras.layers.Dense(3, name="head")(backbone(inputs)[:, 0, :])
+            model = keras.Model(inputs, outputs)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01, name="adam"),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        held = HeldShapes()
+        history = acc.fit(
+            model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[held]
+        )
+        out[f"hub/{name}/history/loss"] = np.asarray(history.history["loss"])
+        out[f"hub/{name}/evaluate"] = np.asarray(acc.evaluate(model, x, y, batch_size=8, verbose=0))
+        for v in [*model.weights, *model.optimizer.variables]:
+            out[f"hub/{name}/var/{v.path}"] = np.asarray(v.numpy())
+        for path, shape in held.shapes.items():
+            out[f"hub/{name}/held/{path}"] = np.asarray(shape)
+    return out
 
 
 if __name__ == "__main__":

@@ -115,6 +115,39 @@ def test_a_layout_map_entry_that_matches_no_variable_is_named(processes):
         assert "Its variables: net/first/kernel, net/first/bias" in message
 
 
+def test_a_keras_hub_class_lays_its_backbone_out_by_its_own_map(processes):
+    """`layout_map=keras_hub.models.GemmaCausalLM`: the map `GemmaBackbone.get_layout_map`
+    ships, for a mesh of the processes (its "model" entries split, as on JAX); a tiny Gemma
+    under it trains and evaluates as each process alone, bit for bit, each process holding
+    half of what the map splits and its Adam slots."""
+    processes, _ = processes
+    saved = processes[0]
+    if not any(key.startswith("hub/") for key in saved):
+        pytest.skip("keras_hub is not installed")
+    keys = [k[len("hub/one/") :] for k in saved if k.startswith("hub/one/") and "/held/" not in k]
+    assert "history/loss" in keys and "var/token_embedding/embeddings" in keys
+    for process in processes:
+        for key in keys:
+            np.testing.assert_array_equal(
+                process[f"hub/ours/{key}"], saved[f"hub/one/{key}"], err_msg=key
+            )
+    held = {k[len("hub/ours/held/") :]: tuple(saved[k]) for k in saved if "hub/ours/held/" in k}
+    split = {
+        "token_embedding/embeddings": (32, 16),  # ("model", "batch"): the vocabulary.
+        "decoder_block_0/attention/query/kernel": (2, 16, 8),  # ("model", "batch", None)
+        "decoder_block_0/attention/attention_output/kernel": (2, 8, 16),
+        # Gemma's feed-forward is intermediate_dim / 2 = 16 wide.
+        "decoder_block_0/ffw_gating/kernel": (16, 8),  # ("batch", "model")
+        "decoder_block_0/ffw_linear/kernel": (8, 16),  # ("model", "batch")
+        "adam/token_embedding_embeddings_momentum": (32, 16),  # A slot as its variable.
+        "adam/decoder_block_0_ffw_gating_kernel_velocity": (16, 8),
+        "head/kernel": (16, 3),  # What the map names not: whole.
+        "decoder_block_0/pre_attention_norm/scale": (16,),
+    }
+    for path, shape in split.items():
+        assert held[path] == shape, (path, held[path])
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's builder")
 def test_model_parallel_on_torch_asks_for_a_layout_map():
     with pytest.raises(

@@ -31,6 +31,7 @@ from keras_accel.adapter.backends.torch.fsdp import install_sharding, note_whole
 from keras_accel.adapter.backends.torch.rows import GlobalRowDraws
 from keras_accel.adapter.backends.torch.runtime import Runtime
 from keras_accel.adapter.patches import Patches
+from keras_accel.adapter.pipeline import hub_layout_map
 from keras_accel.adapter.strategies import STRATEGIES, Plan
 
 AXIS = "model"
@@ -89,13 +90,17 @@ def _model_parallel(plan: Plan, layout_map):
     import keras
 
     size = process_group.world()
+    if isinstance(layout_map, type):  # A keras-hub class: the map its backbone ships.
+        layout_map = _shipped(layout_map, size)
     if not isinstance(layout_map, keras.distribution.LayoutMap):
         raise ValueError(
             "On torch strategy='model_parallel' splits the variables a "
             "keras.distribution.LayoutMap names over the processes (its 'model' axis). "
             f"Received: layout_map={layout_map!r}. Pass Accelerator(strategy="
             "'model_parallel', layout_map=layout_map), its entries naming 'model' on the "
-            "dimension to split, or use strategy='fsdp' to split every variable."
+            "dimension to split, or a keras-hub model class whose backbone ships one "
+            "(get_layout_map: GemmaBackbone, LlamaBackbone, ... or their tasks, e.g. "
+            "GemmaCausalLM), or use strategy='fsdp' to split every variable."
         )
     if tuple(plan.mesh_shape) != (1, size):
         raise ValueError(
@@ -107,6 +112,20 @@ def _model_parallel(plan: Plan, layout_map):
     if size == 1:
         return None
     return ModelMesh(process_group.mesh(AXIS), layout_map)
+
+
+def _shipped(model_class, size: int):
+    """The `LayoutMap` a keras-hub class ships (`pipeline.hub_layout_map`), made for a
+    `(1, size)` mesh of the processes ("batch", "model"), as on JAX: its "model" entries
+    split over the processes; the data axis, of one, splits nothing. The class itself
+    where it ships none (refused by the caller, naming it)."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(
+        (1, size), ["batch", AXIS], devices=[f"cpu:{i}" for i in range(size)]
+    )
+    shipped = hub_layout_map(model_class, mesh)
+    return model_class if shipped is None else shipped
 
 
 @STRATEGIES.runtime("model_parallel", "torch", default=True)
