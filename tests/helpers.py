@@ -84,12 +84,12 @@ def unpadded_remainder(acc) -> bool:
 def unpadded_stream(acc, kind="generator") -> bool:
     """Whether `acc` runs the short batches of a stream (a generator, a `PyDataset`, a
     tf.data pipeline: `kind`) unpadded where padding would reach code that weights no rows:
-    on one replica, on JAX (a tf.data pipeline: in one process), over torch's processes and
-    TensorFlow's replicas (not a tf.data pipeline: over several TensorFlow replicas its
-    short batch is dropped in training, an evaluation refused)."""
+    on one replica, on JAX (a tf.data pipeline: in one process), over TensorFlow's replicas
+    (each reads it whole, from the host) and over torch's processes (not a tf.data
+    pipeline: there its short batch is dropped in training, an evaluation refused)."""
     if acc.num_replicas == 1:
         return True
-    return keras.backend.backend() == "jax" or kind != "tf.data"
+    return keras.backend.backend() in ("jax", "tensorflow") or kind != "tf.data"
 
 
 def keep_pair(out, name, what, ours, one):

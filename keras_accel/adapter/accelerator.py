@@ -66,8 +66,9 @@ class Accelerator:
             are padding (a `train_step` or `compute_loss` of its own that reads no sample
             weights, `add_loss`, training without targets): then the last partial batch
             runs unpadded (numeric arrays, a generator or a PyDataset: on one replica, on
-            JAX, over torch's processes and MirroredStrategy's replicas), and elsewhere is
-            dropped, with a note.
+            JAX, over torch's processes and MirroredStrategy's replicas; a tf.data.Dataset:
+            on one replica, on JAX in one process and over MirroredStrategy's replicas), and
+            elsewhere is dropped, with a note.
         steps_per_execution: steps per host call in `fit`, `evaluate` and `predict`
             ("host-loop fusion", Keras's knob of that name). "auto" (default) runs up to 32
             steps per call where every callback can take it (see

@@ -6,7 +6,8 @@ the user's that is not given the weights, `add_loss`, a loss or metric that igno
 `keras_accel.adapter.unweighted`) the last partial batch reaches the model's code unpadded
 where the runtime can run it so (`Runtime.whole_remainder`: one replica, JAX, torch's
 processes, a MirroredStrategy's replicas; for a stream read in Python, as each batch comes,
-`Runtime.whole_stream_remainder`), and
+`Runtime.whole_stream_remainder`; for a user's tf.data pipeline,
+`Runtime.whole_pipeline_remainder`), and
 elsewhere training drops it with a note saying why and how to keep it, and an evaluation
 that would count padding is refused, naming what would. Also each kind's `StepContract`:
 what its step is given."""
@@ -335,8 +336,8 @@ def _inexact_message(found: list[str], plan, num_replicas: int, what: str) -> st
         f"batch_size that is a multiple of {num_replicas} and divides the number of rows, so "
         "that nothing is padded (the last partial batch of numeric arrays, a generator or "
         "a PyDataset runs unpadded on one device, on JAX, over torch's processes and over "
-        "MirroredStrategy's replicas; a tf.data.Dataset's on one device and on JAX in one "
-        "process)."
+        "MirroredStrategy's replicas; a tf.data.Dataset's on one device, on JAX in one "
+        "process and over MirroredStrategy's replicas)."
     )
 
 

@@ -93,8 +93,8 @@ def batch_padder(
     else by the batch's own `static / real rows`. `grows`: a batch larger than `static`
     is padded to its bucket (`_bucket`) instead of refused. `remainder` (a stream's plan's,
     `keras_accel.data.batching.UNPADDED`): "whole", every batch as it came, unpadded;
-    "cut", a batch with padding marked with its real rows (`_marker`), which the step cuts
-    it to."""
+    "cut" (and "replicate", whose marked batch every replica reads whole), a batch with
+    padding marked with its real rows (`_marker`), which the step cuts it to."""
     table = None if scales is None else tf.constant(scales, tf.float32)
 
     def fn(index, x, y, sample_weight):
@@ -106,7 +106,8 @@ def batch_padder(
             target = rows  # Nothing padded: the batch as it came.
         pad = lambda t: _pad_leaf(t, static, target)  # noqa: E731
         zeros = lambda t: _pad_leaf(t, static, target, repeat=False)  # noqa: E731
-        cut = _marker(rows, static if target is None else target) if remainder == "cut" else None
+        marked = remainder in ("cut", "replicate")
+        cut = _marker(rows, static if target is None else target) if marked else None
         if y is None:
             if not carry_mask:
                 return (tf.nest.map_structure(pad, x),)

@@ -122,10 +122,10 @@ def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kin
     # Read as it comes, a short batch is known when it arrives: marked then (a tf.data
     # pipeline's in its graph), it runs as its real rows, as plain Keras runs it (a
     # generator's first batch, read to learn the batch size, is not lost on the way); over
-    # several TensorFlow replicas a generator's or PyDataset's whole in each (read on the
-    # host, not split by tf.distribute). A tf.data pipeline's, which tf.distribute splits,
-    # is dropped in training there and an evaluation is refused (2 replicas there: the
-    # subject is the split, not the count, and TensorFlow traces every replica).
+    # several TensorFlow replicas whole in each (read on the host, not split by
+    # tf.distribute; 2 replicas there: the subject is the split, not the count, and
+    # TensorFlow traces every replica). Over torch's processes a tf.data pipeline's is
+    # dropped in training and an evaluation is refused.
     if keras.backend.backend() == "tensorflow" and devices > 1:
         devices = FEW_REPLICAS
     one = Accelerator(devices=devices)

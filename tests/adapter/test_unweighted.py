@@ -163,19 +163,26 @@ class _Batches(keras.utils.PyDataset):
 def _stream(kind, x, y):
     if kind == "PyDataset":
         return _Batches(x, y)
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     return ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, ROWS, BATCH))
 
 
-@pytest.mark.parametrize("kind", ["generator", "PyDataset"])
+@pytest.mark.parametrize("kind", ["generator", "PyDataset", "tf.data"])
 def test_a_compute_loss_without_weights_sees_a_streams_short_batch_whole(kind, backend):
     # A stream's short batch is known only when it arrives: it runs as its real rows, as
     # plain Keras runs it, on one device, on JAX, over torch's processes (test_torch_
     # replicated.py) and over TensorFlow's replicas, whole in each (read on the host, not
-    # split by tf.distribute), in training, validation and evaluation (2 replicas: the
-    # subject is the split, not the count). JAX's cut of a stream's short batch is
-    # test_custom_step_padding.py's (the same route; compiling it here took 16 s).
+    # split by tf.distribute; a tf.data pipeline's marked in its graph), in training,
+    # validation and evaluation (2 replicas: the subject is the split, not the count).
+    # JAX's cut of a stream's short batch is test_custom_step_padding.py's (the same route;
+    # compiling it here took 16 s), as are tf.data's other routes.
     if backend == "jax":
         pytest.skip("JAX's stream route: test_custom_step_padding.py")
+    if kind == "tf.data" and backend != "tensorflow":
+        pytest.skip("tf.data's route over TensorFlow's replicas")
     acc = Accelerator(devices=FEW_REPLICAS if NUM_DEVICES > 1 else 1)
     x, y = _data()
     with acc.scope():

@@ -26,7 +26,9 @@ and each batch reaches the replicas as it comes: a full one split into their sli
 `tf.distribute` splits it, through a step traced for those; one with padding (marked,
 `batching.cut_rows`) whole in every replica, through the step traced for its shape
 (`StreamIterator`). Keras's TF trainer takes a Python iterator so too (its
-`one_step_on_data` per element).
+`one_step_on_data` per element). A user's `tf.data.Dataset` goes the same way: its
+pipeline, padded and marked in its graph (`tf_padding.batch_padder`), is read eagerly on
+the host, a batch per step, instead of through `tf.distribute`.
 """
 
 from __future__ import annotations
@@ -95,17 +97,17 @@ class TailIterator:
 class HostStream(tf.distribute.DistributedDataset):
     """A stream's batches as Keras's TF epoch iterator takes them (it takes a
     `DistributedDataset` as it is, and makes an iterator of it each epoch): each epoch's
-    from `adapter`, Keras's data adapter of the stream (its epochs, its PyDataset's
-    `on_epoch_end`), read on the host (`get_numpy_iterator`) when the step comes."""
+    from `epoch()`, an iterator over its batches read on the host when the step comes: a
+    generator's or a PyDataset's from Keras's data adapter of it (`get_numpy_iterator`: its
+    epochs, a PyDataset's `on_epoch_end`), a tf.data pipeline's from a pass over it (eager
+    tensors on the host)."""
 
-    def __init__(self, adapter, strategy):
-        self.adapter = adapter
+    def __init__(self, epoch, strategy):
+        self.epoch = epoch
         self.strategy = strategy
 
     def __iter__(self):
-        # Keras's numpy iterators read nothing until the first `next`: one made at an
-        # epoch's end for the next epoch and dropped unread costs nothing.
-        return StreamIterator(self.adapter.get_numpy_iterator(), self.strategy)
+        return StreamIterator(self.epoch, self.strategy)
 
 
 class StreamIterator:
@@ -114,14 +116,19 @@ class StreamIterator:
     padding, marked with its real rows, which the step cuts it to: `batching.cut_rows`)
     rather than its slice of it."""
 
-    def __init__(self, batches, strategy):
-        self.batches = batches
+    def __init__(self, epoch, strategy):
+        self.epoch = epoch
+        self.batches = None
         self.strategy = strategy
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self.batches is None:
+            # Made at the first read: Keras asks for the next epoch's iterator at an
+            # epoch's end and may drop it unread (a tf.data iterator costs its making).
+            self.batches = self.epoch()
         data = next(self.batches)  # StopIteration ends the epoch, as Keras reads a stream.
         if cut_rows(data):
             return self.strategy.experimental_distribute_values_from_function(

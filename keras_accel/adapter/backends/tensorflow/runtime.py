@@ -79,6 +79,12 @@ class Runtime(runtime.Runtime):
         `whole_remainder`)."""
         return self.whole_remainder
 
+    @property
+    def whole_pipeline_remainder(self) -> str | None:
+        """As `whole_stream_remainder`: a user's tf.data pipeline, padded and marked in its
+        graph, read on the host a batch per step over several replicas (`wrap`)."""
+        return self.whole_remainder
+
     def replicated_function(self, model, kind: str):
         if self.native is None or kind == "predict":
             return None
@@ -210,6 +216,12 @@ class Runtime(runtime.Runtime):
             if self.native is None and carry_mask and self.numeric_arrays(batches, None, True):
                 return HostBatches(batches)
             return self.keras_route(StaticBatchDataset(batches, carry_mask=carry_mask), carry_mask)
+        if isinstance(batches, tfdata.TFDatasetBatches) and replicate and carry_mask:
+            # A user's pipeline whose batches with padding run whole in every replica: padded
+            # and marked in its graph, read on the host a batch per step, as a stream is.
+            pipeline = self.pipeline(batches, carry_mask, preprocess)
+            host = replicated.HostStream(lambda: iter(pipeline), self.native)
+            return DistributedBatches(host, pipeline, num_batches=batches.plan.num_batches)
         if isinstance(batches, (ArrayBatches, tfdata.TFDatasetBatches)):
             return self.fed(self.pipeline(batches, carry_mask, preprocess), batches, carry_mask)
         if isinstance(batches, IterableBatches):
@@ -455,7 +467,9 @@ class HostStreamAdapter(KerasRouteAdapter):
 
     def get_tf_dataset(self):
         if self._distributed is None:
-            self._distributed = replicated.HostStream(self.adapter, self.strategy)
+            self._distributed = replicated.HostStream(
+                self.adapter.get_numpy_iterator, self.strategy
+            )
         return self._distributed
 
 
