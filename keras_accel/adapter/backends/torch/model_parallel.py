@@ -33,6 +33,7 @@ from keras_accel.adapter.backends.torch.runtime import Runtime
 from keras_accel.adapter.patches import Patches
 from keras_accel.adapter.pipeline import hub_layout_map
 from keras_accel.adapter.strategies import STRATEGIES, Plan
+from keras_accel.utils import keras_internals
 
 AXIS = "model"
 
@@ -144,6 +145,13 @@ class ModelParallelRuntime(Runtime):
 
     def install_outer(self, patches: Patches, model) -> None:
         super().install_outer(patches, model)
+        # Keras 3.16 would wrap the model in DistributedDataParallel (an all-reduce of
+        # gradients that FSDP2 reduce-scatters already, over parameters it has swapped) and
+        # sum every metric variable over the processes, each of which ran the whole batch:
+        # not during our calls.
+        own_result = keras_internals.step_aside_from_keras_ddp(patches, model)
+        if own_result is not None:
+            patches.set(model, "get_metrics_result", own_result)
         install_sharding(patches, self._sharded(model))
 
     def _sharded(self, model):
