@@ -90,10 +90,9 @@ class Runner:
                     # ops may run before the data's end is found (the optimizer counted one
                     # more step, measured): Keras's loop is stopped at the late epoch's
                     # last batch. JAX's and torch's steps read theirs in Python first.
+                    stops = keras.backend.backend() == "tensorflow"
                     run_context(model).can_begin_late(
-                        patches,
-                        functools.partial(begin_late, train_data, n),
-                        stops=keras.backend.backend() == "tensorflow",
+                        patches, functools.partial(begin_late, train_data, n, stops), stops
                     )
 
             with (
@@ -232,10 +231,15 @@ class Runner:
         return [*(callbacks or []), *own]
 
 
-def begin_late(train_data, n: int, epoch: int, batch: int) -> bool:
+def begin_late(train_data, n: int, stops: bool, epoch: int, batch: int) -> bool:
     """Have `train_data` begin `epoch` at `batch` (a resume, `keras_accel.data.start`)
     where `batch` ends a host call of `n` steps (each call's group as in the uninterrupted
-    run)."""
+    run). Not a `PyDataset` that Keras reads through its own adapter where the late epoch's
+    loop is stopped (`stops`: TensorFlow on one device): stopped before the data's end, that
+    adapter's epoch stays open and the next one refuses to begin (Keras's "`on_epoch_begin`
+    was called twice"); its first batches are replayed instead."""
+    if stops and isinstance(train_data, keras.utils.PyDataset):
+        return False
     return batch % n == 0 and start.start_at(train_data, epoch, batch)
 
 

@@ -291,9 +291,10 @@ def _late_fit(tmp_path, name, inputs, seen):
     "inputs, stops", [("arrays", (1, 3, 6)), ("pydataset", (3,))], ids=["arrays", "pydataset"]
 )
 def test_a_resumed_epoch_begins_at_its_backup(tmp_path, backend, num_devices, inputs, stops):
-    # TensorFlow on one device builds the compiled metrics at the first step: a fresh
-    # model has none to restore their totals into (docs/callbacks.md), only the loss's.
-    keys = ["loss"] if backend == "tensorflow" and num_devices == 1 else None
+    keys = None  # Every metric (TensorFlow on one device: built before the restore too).
+    # TensorFlow on one device reads a PyDataset through Keras's own adapter, whose epoch a
+    # loop stopped before the data's end leaves open: its first batches are replayed.
+    replays = backend == "tensorflow" and num_devices == 1 and inputs == "pydataset"
     whole = _Seen()
     expected = _late_fit(tmp_path, "whole", inputs, whole)
     for done in stops:  # The backup after `done` batches: the first, the middle, the last but one.
@@ -303,7 +304,7 @@ def test_a_resumed_epoch_begins_at_its_backup(tmp_path, backend, num_devices, in
         weights = _late_fit(tmp_path, name, inputs, resumed)
         # Batches 0..done-1 of epoch 1 never ran again: no callback saw them.
         assert resumed.batches == [(e, b) for e in (1, 2) for b in range(7) if e == 2 or b >= done]
-        assert resumed.replayed == 0, done
+        assert resumed.replayed == (done if replays else 0), done
         for a, b in zip(expected, weights, strict=True):
             np.testing.assert_array_equal(b, a, err_msg=f"stopped after {done}")
         # The epoch's logs are the whole epoch's (the first batches' share from the backup;

@@ -158,11 +158,15 @@ class Runtime(runtime.Runtime):
     def install(self, patches: Patches, model, first_batch, training: bool) -> None:
         if self.num_replicas > 1 and self._on_cpus():
             xla.without_xla(patches, model)
-        if self.native is not None and first_batch is not None:
+        if first_batch is not None and (self.native is not None or training):
             # Keras builds a model from the first batch it reads (under a strategy, reduced
             # across replicas with MEAN first, which fails for strings and booleans: raw
             # text, keras-hub padding masks). Ours carries the row mask, which only our step
-            # wrappers understand: build from the batch the model's step sees instead.
+            # wrappers understand: build from the batch the model's step sees instead. On
+            # one device Keras builds nothing before its first step (the compiled metrics
+            # are made in its trace); a fit builds them first here, as on JAX and torch, so
+            # that a backup restored as the fit begins gives them their totals (a fresh
+            # model resumed mid-epoch reports the whole epoch's metrics).
             keras_internals.install_symbolic_build(
                 patches, model, first_batch, overrides_a_step=overrides_any_step(model)
             )
