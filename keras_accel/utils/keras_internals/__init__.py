@@ -112,6 +112,7 @@ from keras_accel.utils.keras_internals.optimizers import (
 )
 from keras_accel.utils.keras_internals.serialization import tensorflow_left_unimported
 from keras_accel.utils.keras_internals.torch_variables import (
+    layers_torch_params,
     raw_value,
     read_value_through,
     retrack_torch_params,
@@ -258,6 +259,7 @@ __all__ = [
     "raw_value",
     "read_value_through",
     "replace_batchnorm_moments",
+    "layers_torch_params",
     "retrack_torch_params",
     "stop_reading_through",
     "replace_compute_loss",

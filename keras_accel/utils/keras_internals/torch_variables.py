@@ -102,6 +102,17 @@ def raw_value(variable):
     return require(variable, "_value", VARIABLE_VALUE)
 
 
+def layers_torch_params(model) -> list:
+    """The torch module (a `ParameterDict`) in which each built layer of `model` registers
+    its variables' tensors. Keras keeps a `Sequential`'s or `Functional`'s layers in lists,
+    not as torch submodules: their registrations are outside `model.modules()`."""
+    return [
+        require(layer, "_torch_params", TORCH_PARAMS)
+        for layer in flatten_layers(model, include_self=True)
+        if hasattr(layer, "_torch_params")  # Tracked already (a built layer).
+    ]
+
+
 def retrack_torch_params(model) -> None:
     """Every layer of `model` registers its variables' current tensors as its torch
     parameters again (as Keras's own `_track_variables` does when a layer is built)."""

@@ -230,6 +230,15 @@ class ShardedModel:
             }
             or None,
         )
+        # A layer that is no torch submodule of the model (Keras keeps a Sequential's or a
+        # Functional's layers in lists) registers its variables' tensors out of FSDP2's reach:
+        # there the whole tensors would stay alive through the call. The shards in their
+        # place (`unshard` registers the whole ones again).
+        for params in keras_internals.layers_torch_params(model):
+            registered = library_internals.module_parameters(params)
+            for name, param in list(registered.items()):
+                if param is not None and id(param) in split:
+                    registered[name] = self._param(homes[id(param)])
         swapped = self.state["swapped"]  # (variable, its class, its own tensor or None)
         for variable, _ in split.values():
             registered, name = homes[id(keras_internals.raw_value(variable))]
@@ -247,10 +256,14 @@ class ShardedModel:
                 optimizer, [v for v, _ in split.values()] + trainable_whole
             ):
                 own = keras_internals.raw_value(slot)
-                swapped.append((slot, type(slot), own))
                 if id(variable) in split_ids:
+                    # None: `unshard` makes it whole from the shards; the whole tensor is
+                    # not kept through the call (it would hold the slot whole in memory).
+                    swapped.append((slot, type(slot), None))
                     shard = distribute_tensor(own.detach(), self.mesh, variable.value.placements)
                     own = torch.nn.Parameter(shard, requires_grad=False)
+                else:
+                    swapped.append((slot, type(slot), own))
                 keras_internals.read_value_through(slot, self._replicated_in_apply(own))
         self.state["sharded_params"] = [v.value for v, _ in split.values()]
 
