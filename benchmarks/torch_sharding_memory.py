@@ -219,7 +219,6 @@ def peer_child(args) -> dict:
     slots = [t for s in optimizer.state.values() for t in s.values() if t.dim()]
     state_bytes = _local_bytes([*model.parameters(), *slots])
     live = _live_tensor_bytes()
-    dist.destroy_process_group()
     return {"rank": rank, **meter.figures(args.warmup, state_bytes, live)}
 
 
@@ -234,6 +233,8 @@ def child(args) -> None:
         dist.all_gather_object(reports, report)
     if report["rank"] == 0:
         print(json.dumps({"processes": reports}))
+    if args.strategy == "fsdp2_peer":
+        dist.destroy_process_group()  # The peer's group (the Keras runs' is the Accelerator's).
 
 
 def main() -> int:

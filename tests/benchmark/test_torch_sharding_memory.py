@@ -45,6 +45,7 @@ def test_fsdp_holds_half_of_the_state_in_each_of_two_processes(tmp_path):
     assert fsdp["strategy"] == "fsdp" and fsdp["processes"] == 2
     # Every kernel, bias and slot has a dimension 2 divides: exactly half of each in each
     # process; scalars (the optimizer's step count) are kept whole.
+    assert len(fsdp["per_process"]) == 2
     for process in fsdp["per_process"]:
         assert 0 <= process["state_bytes"] - 3 * layer <= 64, process
     assert fsdp["state_share"] == pytest.approx(0.5, abs=1e-5)
