@@ -7,10 +7,13 @@ exact row counts, metrics, draws), except that each variable is held as this pro
 shard during a call: the layout rule is JAX's (`keras_accel.adapter.sharding`): the
 largest dimension the process count divides; a variable with none, and every
 non-trainable one (BatchNormalization's moving statistics, which a layer assigns inside
-its forward pass, where FSDP2 would drop the write), stays whole. FSDP2 gathers a
-layer's weights for its forward and backward passes and frees them after; the gradients
-reach each process reduce-scattered (averaged) to its shard, and Keras's optimizer updates
-the shards in place, its slots sharded alike.
+its forward pass, where FSDP2 would drop the write), stays whole. FSDP2 gathers the split
+weights for the forward pass and frees them after the backward pass: all of them at once,
+as one group (`fully_shard` on the model alone: Keras keeps a Sequential's or a
+Functional's layers out of torch's module tree), so a step's peak holds the whole weights
+and gradients (docs/benchmarks.md, "Sharded state on torch"); the gradients reach each
+process reduce-scattered (averaged) to its shard, and Keras's optimizer updates the shards
+in place, its slots sharded alike.
 
 The model is sharded at the call's first step (after Keras built it and its optimizer,
 and `SameStart` gave every process the chief's values) and made whole again when the call

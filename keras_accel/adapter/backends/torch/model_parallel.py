@@ -1,6 +1,6 @@
 """The `model_parallel` strategy on torch: a `keras.distribution.LayoutMap` splits variables
-over the processes (a one-axis mesh, "model"), as `DTensor`s that FSDP2 gathers per layer;
-its builder and its runtime.
+over the processes (a one-axis mesh, "model"), as `DTensor`s that FSDP2 gathers for each
+step; its builder and its runtime.
 
 The layout rule is JAX's: a variable whose path a `LayoutMap` entry matches is split on the
 dimension that entry names "model" (`keras.distribution.LayoutMap`: exact path, else the one
@@ -10,11 +10,12 @@ count does not divide (said once), stays whole, and so does every non-trainable 
 An entry that matches no variable of the model is an error naming it.
 
 Every process runs the whole of every batch, as one process does (the mesh has no data
-axis: `mesh_shape=(1, N)`): FSDP2 gathers a layer's weights for its forward and backward
-passes and frees them after, so each process holds 1/N of what the map splits between
-steps; each process's gradients are those of the whole batch, the same in every process,
-and FSDP2's reduce-scatter hands each its shard of them. The computation itself is not
-split (no tensor parallelism): what it divides is the state held between steps.
+axis: `mesh_shape=(1, N)`): FSDP2 gathers the split weights for the forward pass and frees
+them after the backward pass (all at once, as under `fsdp`), so each process holds 1/N of
+what the map splits between steps; each process's gradients are those of the whole batch,
+the same in every process, and FSDP2's reduce-scatter hands each its shard of them. The
+computation itself is not split (no tensor parallelism): what it divides is the state held
+between steps.
 
 The model is sharded at the call's first step and whole again when the call ends, as under
 `fsdp`.
