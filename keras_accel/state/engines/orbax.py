@@ -19,6 +19,7 @@ except ImportError as error:  # pragma: no cover - exercised on installs without
     ) from error
 
 from keras_accel.state import checksums, files, staged
+from keras_accel.utils import process
 
 NAME = "orbax"
 STAGED_TAG = "orbax"  # Checkpoint N at a URL Orbax cannot write: `<backup_dir>/orbax-N/`.
@@ -127,6 +128,7 @@ class Engine:
         leftovers = _interrupted(self.directory)
         self.interrupted = sorted(leftovers)
         self._primary = per_process or jax.process_index() == 0
+        self._shared = not per_process  # One directory, Orbax's deletions collective.
         if leftovers and self._primary:
             # The leftovers are removed before the manager exists: Orbax's own cleanup runs
             # in a thread that may not have finished when a caller (or the user) looks, and
@@ -325,8 +327,19 @@ class Engine:
         primary host deletes), so a process that skipped it would leave the others waiting."""
         self.wait()
         self.manager.reload()  # A save that finished while waiting is listed only now.
-        for step in list(self.manager.all_steps()):
+        steps = list(self.manager.all_steps())
+        self._listed()
+        for step in steps:
             self.manager.delete(step)
+
+    def _listed(self) -> None:
+        """Every process has listed the backups on disk before any deletes one. Orbax's
+        deletion meets the other processes, its primary host deleting: a process that
+        listed after that deletion (late, on a loaded machine) skipped the step, and left
+        the others waiting in the deletion for good (seen once: a 2-process run whose
+        chief never ended). Each process's own directory (`per_process`): nothing shared."""
+        if self._shared:
+            process.barrier("keras_accel_backups_listed")
 
     def close(self) -> None:
         self.manager.close()
