@@ -58,14 +58,19 @@ def install_loss_values(patches: Patches, model, summed_loss_factor: int = 1) ->
         return
 
     def install():
+        # One loss object can serve several outputs (`compile(loss=L)` on a model of two,
+        # `[L, L]`): wrapped once, with its outputs' paths in the order Keras calls it.
+        paths_of: dict[int, tuple] = {}
         for path, loss in keras_internals.compiled_loss_paths(compiled):
             if getattr(loss, "reduction", None) not in (None, "none"):
-                patches.set(loss, "call", _padded_values(loss, summed_loss_factor, path))
+                paths_of.setdefault(id(loss), (loss, []))[1].append(path)
+        for loss, paths in paths_of.values():
+            patches.set(loss, "call", _padded_values(loss, summed_loss_factor, tuple(paths)))
 
     after_build(patches, compiled, install)
 
 
-def _padded_values(loss, summed_loss_factor: int, path: tuple):
+def _padded_values(loss, summed_loss_factor: int, paths: tuple):
     original = loss.call
     summed = loss.reduction not in MEANS + (WEIGHTED_MEAN,)
     weighted_mean = loss.reduction == WEIGHTED_MEAN
@@ -94,12 +99,25 @@ def _padded_values(loss, summed_loss_factor: int, path: tuple):
             # values, which the weights multiply).
             static = ops.cast(ops.shape(row_mask)[0], values.dtype)
             values = ops.multiply(values, ops.divide(ops.cast(count(), values.dtype), static))
-        factor = (WEIGHTED_MEANS.get() or {}).get(path) if weighted_mean else None
+        factor = _weighted_mean_factor(loss, paths) if weighted_mean else None
         if factor is not None:
             values = ops.multiply(values, ops.cast(factor, values.dtype))
         return values
 
     return call
+
+
+def _weighted_mean_factor(loss, paths: tuple):
+    """The factor of the output `loss` is being called for (`steps.WEIGHTED_MEANS`), or
+    None. Keras calls each output's loss in the order of `paths` (`CompileLoss`'s flat
+    losses), so the calls made so far in this loss computation say which output it is."""
+    means = WEIGHTED_MEANS.get()
+    if means is None:
+        return None
+    factors, calls = means
+    index = calls.get(id(loss), 0)
+    calls[id(loss)] = index + 1
+    return factors.get(paths[index]) if index < len(paths) else None
 
 
 def install_loss_masks(patches: Patches, model, row_count: Callable) -> None:
@@ -207,7 +225,8 @@ def _weighted_means(original, args, paths, weights, reductions, row_count):
             factors[tuple(path)] = ops.divide_no_nan(total, ops.cast(row_count(weight), "float32"))
     if not factors:
         return original(*args)
-    token = WEIGHTED_MEANS.set(factors)
+    # With the calls counted per loss object: one object may serve several outputs.
+    token = WEIGHTED_MEANS.set((factors, {}))
     try:
         return original(*args)
     finally:

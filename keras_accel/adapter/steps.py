@@ -100,10 +100,11 @@ LOSS_RANKED = StepValue("loss_ranked", default=False)
 # random draws), and only the first replica's metric updates count
 # (`keras_accel.adapter.backends.torch`).
 REPLICATED = StepValue("replicated", default=False)
-# In a train or test step: `{output path: factor}` for each output whose loss divides by
-# its weights' sum (`reduction="mean_with_sample_weight"`), the factor that makes this
-# replica's or process's quotient its share of the global one
-# (`keras_accel.adapter.loss_weights.install_loss_masks`). None elsewhere.
+# In a train or test step's loss computation: `({output path: factor}, calls)`, a factor for
+# each output whose loss divides by its weights' sum (`reduction="mean_with_sample_weight"`)
+# that makes this replica's or process's quotient its share of the global one, and the
+# calls of each loss object so far (`keras_accel.adapter.loss_weights.install_loss_masks`).
+# None elsewhere.
 WEIGHTED_MEANS = StepValue("weighted_means")
 # A dict of its own for each call of a step (each replica's, each trace's), for what the
 # backend needs to know later in the same step about what ran earlier in it (TensorFlow:
