@@ -134,7 +134,7 @@ def reads_a_batch_to_build(model) -> bool:
 
 
 def install_symbolic_build(
-    patches, model, first_batch, overrides_a_step: bool, skipped_read=None
+    patches, model, first_batch, overrides_a_step: bool, skipped_read=None, deferrable=False
 ) -> None:
     """For the duration of `patches`, Keras builds `model` from `first_batch()`: the batch as
     the model's step sees it, not the Accelerator's batch with its row mask.
@@ -149,6 +149,10 @@ def install_symbolic_build(
     symbolically; Keras fails there under any distribution. Such a model is left to build
     at its first step, as Keras does on one TensorFlow device, and only its optimizer is
     built here.
+
+    `deferrable`: where Keras itself builds nothing before the first step (TensorFlow on one
+    device), a model that cannot be built from a batch this way is left to build there, as
+    Keras would, whatever the error.
     """
     original = require(model, "_symbolic_build", "building a model from a batch")
 
@@ -160,7 +164,11 @@ def install_symbolic_build(
             return None
         try:
             return original(data_batch=first_batch())
-        except RuntimeError:
+        except Exception as error:
+            if deferrable:
+                return None
+            if not isinstance(error, RuntimeError):
+                raise
             inner = flatten_layers(model, include_self=False)
             if not overrides_a_step or not all(layer.built for layer in inner):
                 raise

@@ -168,7 +168,12 @@ class Runtime(runtime.Runtime):
             # that a backup restored as the fit begins gives them their totals (a fresh
             # model resumed mid-epoch reports the whole epoch's metrics).
             keras_internals.install_symbolic_build(
-                patches, model, first_batch, overrides_a_step=overrides_any_step(model)
+                patches,
+                model,
+                first_batch,
+                overrides_a_step=overrides_any_step(model),
+                # One device: a model Keras could not build so is left to its first step.
+                deferrable=self.native is None,
             )
             keras_internals.replace_tf_symbolic_build(patches, model)
         if self.num_replicas > 1:
