@@ -253,11 +253,16 @@ class Batches:
             whole = make(mode)
             if not _numeric(sources.sample_batch(whole)):
                 return None
+            # Several replicas of a tf.data pipeline: it is read on the host, a batch per
+            # step (`replicated.HostStream`), without tf.distribute's reads ahead.
+            on_host = kind == sources.TF_DATASET and mode == "replicate"
             warnings.warn(
                 f"keras_accel: {reason}; a batch of {plan.describe()} that is not full (its "
                 "last, if it has one) runs unpadded, as a batch of its real rows, as plain "
                 f"Keras runs it{_replicated(mode, self.num_replicas)} (one more compilation, "
-                "for its shape).",
+                "for its shape"
+                + ("; the pipeline is read on the host, a batch per step" if on_host else "")
+                + ").",
                 stacklevel=user_stacklevel(),
             )
             return whole

@@ -179,7 +179,10 @@ def replicated_function(model, kind: str, regular):
         outputs = strategy.run(step, args=(data,))
         return reduce_logs(outputs, strategy, reduction="auto")
 
-    @tf.function(jit_compile=bool(model.jit_compile))
+    # Full batches of any shape a stream gives (sequences of varying length) take one
+    # trace, as Keras's own steps do (`reduce_retracing`); `whole` keeps the short batch's
+    # marker shape concrete (`cut_rows` reads it).
+    @tf.function(jit_compile=bool(model.jit_compile), reduce_retracing=True)
     def split(data):
         # (A function of its own, not `whole` compiled twice: TensorFlow counts a Python
         # function's traces together, and warns of retracing past a few.)
