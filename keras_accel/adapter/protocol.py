@@ -175,7 +175,9 @@ class RunContext:
         """Ask the fit in progress to begin `epoch` at `batch` (its first `batch` batches
         not run): True where its data will (`Accelerator.fit` over arrays, memory maps,
         array-likes or a `PyDataset`, epochs of whole passes, `batch` at the end of a
-        host call), False elsewhere (then nothing changed). For `BackupAndRestore`."""
+        host call; not what Keras reads through its own PyDataset adapter on one
+        TensorFlow device, `run.begin_late`), False elsewhere (then nothing changed). For
+        `BackupAndRestore`."""
         begin = self._begin_epoch_at
         return begin is not None and bool(begin(int(epoch), int(batch)))
 

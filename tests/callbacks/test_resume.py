@@ -302,7 +302,7 @@ def test_a_resumed_epoch_begins_at_its_backup(tmp_path, backend, num_devices, in
         assert _late_fit(tmp_path, name, inputs, _Seen(stop_at=(1, done - 1))) is None
         resumed = _Seen()
         weights = _late_fit(tmp_path, name, inputs, resumed)
-        # Batches 0..done-1 of epoch 1 never ran again: no callback saw them.
+        # Batches 0..done-1 of epoch 1 never ran again (or, replayed, no callback saw them).
         assert resumed.batches == [(e, b) for e in (1, 2) for b in range(7) if e == 2 or b >= done]
         assert resumed.replayed == (done if replays else 0), done
         for a, b in zip(expected, weights, strict=True):
