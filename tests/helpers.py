@@ -315,3 +315,30 @@ class Noise(keras.layers.Layer):
         if not training:
             return x
         return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)
+
+
+class BatchesOf(keras.utils.PyDataset):
+    """`x` and `y` in batches of `batch_size`, the last one short: a user's `PyDataset`."""
+
+    def __init__(self, x, y, batch_size: int):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        cut = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[cut], self.y[cut]
+
+
+def stream(kind: str, x, y, batch_size: int):
+    """`x` and `y` in batches of `batch_size` (the last one short), read as they come: a
+    "PyDataset", a "tf.data" data set, or (anything else) a generator."""
+    if kind == "PyDataset":
+        return BatchesOf(x, y, batch_size)
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    return ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size))

@@ -16,6 +16,7 @@ from tests.conftest import NUM_DEVICES
 from tests.helpers import (
     FEW_REPLICAS,
     assert_weights_close,
+    stream,
     unpadded_remainder,
     unpadded_stream,
     weights_of,
@@ -89,33 +90,6 @@ def test_a_step_that_honours_weights_trains_every_row_by_default(acc):
     assert_weights_close(weights_of(ours), weights_of(plain))
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y):
-        super().__init__()
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return -(-ROWS // BATCH)
-
-    def __getitem__(self, i):
-        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
-
-
-def _stream(kind, x, y):
-    if kind == "PyDataset":
-        return _Batches(x, y)
-    if kind == "tf.data":
-        import tensorflow as tf
-
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-
-    def batches():
-        for start in range(0, ROWS, BATCH):
-            yield x[start : start + BATCH], y[start : start + BATCH]
-
-    return batches()
-
-
 @pytest.mark.parametrize("kind", ["generator", "PyDataset", "tf.data"])
 @pytest.mark.parametrize("devices", sorted({1, NUM_DEVICES}))
 def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kind, devices):
@@ -137,26 +111,26 @@ def test_a_step_that_reads_no_weights_trains_and_evaluates_a_stream_unpadded(kin
     counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(1))
     if not unpadded_stream(one, kind):
         with pytest.warns(UserWarning, match="overrides train_step and gets \\(x, y\\) batches"):
-            one.fit(ours, _stream(kind, x, y), epochs=1, verbose=0, callbacks=[counted])
+            one.fit(ours, stream(kind, x, y, BATCH), epochs=1, verbose=0, callbacks=[counted])
         # (Not the optimizer's iterations: on TensorFlow Keras counts one more for a
         # generator.)
         assert len(steps) == ROWS // BATCH
         with pytest.raises(ValueError, match="overrides test_step and gets"):
-            one.evaluate(_checked(ours, one), _stream(kind, x, y), verbose=0)
+            one.evaluate(_checked(ours, one), stream(kind, x, y, BATCH), verbose=0)
         return
     with pytest.warns(UserWarning, match="that is not full .* runs unpadded"):
         history = one.fit(
-            ours, _stream(kind, x, y), epochs=1, shuffle=False, verbose=0, callbacks=[counted]
+            ours, stream(kind, x, y, BATCH), epochs=1, shuffle=False, verbose=0, callbacks=[counted]
         )
-    expected = plain.fit(_stream(kind, x, y), epochs=1, shuffle=False, verbose=0)
+    expected = plain.fit(stream(kind, x, y, BATCH), epochs=1, shuffle=False, verbose=0)
     assert len(steps) == -(-ROWS // BATCH)
     for name in ("loss", "accuracy"):
         np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
     assert_weights_close(weights_of(ours), weights_of(plain))
     ours, plain = _checked(ours, one), _checked(plain)
     with pytest.warns(UserWarning, match="runs unpadded"):
-        got = one.evaluate(ours, _stream(kind, x, y), verbose=0, return_dict=True)
-    want = plain.evaluate(_stream(kind, x, y), verbose=0, return_dict=True)
+        got = one.evaluate(ours, stream(kind, x, y, BATCH), verbose=0, return_dict=True)
+    want = plain.evaluate(stream(kind, x, y, BATCH), verbose=0, return_dict=True)
     assert got == pytest.approx(want, rel=1e-5)
 
 

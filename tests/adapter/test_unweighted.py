@@ -13,7 +13,7 @@ from keras import ops
 from keras_accel import Accelerator
 from keras_accel.adapter.unweighted import hands_on_sample_weight, unweighted_code
 from tests.conftest import NUM_DEVICES
-from tests.helpers import FEW_REPLICAS, assert_weights_close, unpadded_remainder, weights_of
+from tests.helpers import FEW_REPLICAS, assert_weights_close, stream, unpadded_remainder, weights_of
 from tests.keras_io.vision import Distiller  # keras-io's, as published
 
 pytestmark = pytest.mark.torch
@@ -148,28 +148,6 @@ def test_a_compute_loss_without_weights_never_sees_padding_rows(acc, backend):
     assert ours_logs == pytest.approx(plain_logs, rel=1e-5)
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y):
-        super().__init__()
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return -(-ROWS // BATCH)
-
-    def __getitem__(self, i):
-        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
-
-
-def _stream(kind, x, y):
-    if kind == "PyDataset":
-        return _Batches(x, y)
-    if kind == "tf.data":
-        import tensorflow as tf
-
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    return ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, ROWS, BATCH))
-
-
 @pytest.mark.parametrize("kind", ["generator", "PyDataset", "tf.data"])
 def test_a_compute_loss_without_weights_sees_a_streams_short_batch_whole(kind, backend):
     # A stream's short batch is known only when it arrives: it runs as its real rows, as
@@ -197,21 +175,25 @@ def test_a_compute_loss_without_weights_sees_a_streams_short_batch_whole(kind, b
     with pytest.warns(UserWarning, match=note):
         history = acc.fit(
             ours,
-            _stream(kind, x, y),
-            validation_data=_stream(kind, x, y),
+            stream(kind, x, y, BATCH),
+            validation_data=stream(kind, x, y, BATCH),
             epochs=1,
             shuffle=False,
             verbose=0,
         )
     expected = plain.fit(
-        _stream(kind, x, y), validation_data=_stream(kind, x, y), epochs=1, shuffle=False, verbose=0
+        stream(kind, x, y, BATCH),
+        validation_data=stream(kind, x, y, BATCH),
+        epochs=1,
+        shuffle=False,
+        verbose=0,
     )
     for name in ("loss", "val_loss", "val_sparse_categorical_accuracy"):
         np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
     assert_weights_close(weights_of(ours), weights_of(plain))
     with pytest.warns(UserWarning, match="not full"):
-        got = acc.evaluate(ours, _stream(kind, x, y), verbose=0, return_dict=True)
-    want = plain.evaluate(_stream(kind, x, y), verbose=0, return_dict=True)
+        got = acc.evaluate(ours, stream(kind, x, y, BATCH), verbose=0, return_dict=True)
+    want = plain.evaluate(stream(kind, x, y, BATCH), verbose=0, return_dict=True)
     assert got == pytest.approx(want, rel=1e-5)
     assert acc.num_recompiles == 0  # The short batch's step is expected, not a recompile.
 
